@@ -1,0 +1,86 @@
+"""Coordination across ranks: gathering descriptions and agreeing on failures.
+
+Every fallible step of a save or load runs inside :meth:`Coordinator.exchange`, which gathers
+either the step's result or its error from every rank. If any rank failed, every rank raises,
+so no rank is ever left waiting in a later collective (Megatron raises validation errors on
+rank 0 only and the other ranks hang).
+
+Coordination uses a CPU (gloo) group even when training uses NCCL, and works without
+``torch.distributed`` at all (one process).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from .. import errors
+
+logger = logging.getLogger(__name__)
+
+_GLOO_GROUPS: dict[Any, Any] = {}
+
+
+def _cpu_group(group: Any) -> Any:
+    """A gloo group with the ranks of ``group`` (the group itself if it already is gloo)."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    cache_key = group if group is not None else "default"
+    if cache_key not in _GLOO_GROUPS:
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        _GLOO_GROUPS[cache_key] = dist.new_group(ranks=ranks, backend="gloo")
+    return _GLOO_GROUPS[cache_key]
+
+
+class Coordinator:
+    """The ranks taking part in one collective save or load."""
+
+    def __init__(self, group: Optional[Any] = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed:
+            self.group = _cpu_group(group)
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+        else:
+            self.group = None
+            self.rank = 0
+            self.world_size = 1
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed or self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def exchange(self, step: str, fn: Callable[[], Any]) -> list[Any]:
+        """Run ``fn`` here, then gather every rank's result; raise on every rank if any failed.
+
+        The rank that failed re-raises its own exception (with its traceback); the others raise
+        an error of the same distckpt type (or :class:`RemoteRankError`) naming that rank.
+        """
+        local_error: Optional[BaseException] = None
+        try:
+            payload: Any = ("ok", fn())
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
+            local_error = exc
+            payload = ("error", type(exc).__name__, str(exc))
+        results = self.all_gather(payload)
+        failures = [(rank, r) for rank, r in enumerate(results) if r[0] == "error"]
+        if not failures:
+            return [r[1] for r in results]
+        if local_error is not None:
+            raise local_error
+        rank, (_, type_name, message) = failures[0]
+        error_type = getattr(errors, type_name, None)
+        if not (isinstance(error_type, type) and issubclass(error_type, errors.CheckpointingException)):
+            error_type = errors.RemoteRankError
+            message = f"{type_name}: {message}"
+        others = f" (and {len(failures) - 1} more ranks)" if len(failures) > 1 else ""
+        raise error_type(f"rank {rank} failed during {step}{others}: {message}")

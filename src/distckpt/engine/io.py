@@ -1,0 +1,237 @@
+"""Executes plans against storage: writes a rank's data files, fills tensors from chunks.
+
+Bytes go straight from tensor memory to the storage writer and from storage into the
+destination tensor when a chunk lines up with it; other reads land in one scratch buffer per
+chunk and are copied out. Checksums are computed and verified on the same memory.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .. import checksum
+from ..errors import ChecksumError, StorageError
+from ..format.dtypes import safetensors_code
+from ..format.index import ChunkEntry, ObjectEntry
+from ..format.safetensors import Entry, build_header
+from ..planning.load_plan import ChunkRead, Copy
+from ..planning.save_plan import ChunkWrite
+from ..planning.shards import ObjectShard
+from ..storage import Storage
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor in row-major order, without a copy when it is contiguous."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.contiguous().view(torch.uint8).numpy())
+
+
+def chunk_name(key: str, box_offset: tuple[int, ...]) -> str:
+    """Name of a chunk inside a safetensors data file (unique per file)."""
+    return f"{key}@{','.join(map(str, box_offset))}"
+
+
+def object_name(unique_key: str) -> str:
+    return f"__object__/{unique_key}"
+
+
+@dataclass
+class _Blob:
+    entry: Entry
+    data: memoryview
+    kind: str  # "chunk" or "object"
+    ref: object  # ChunkWrite or ObjectShard
+
+
+def write_rank_files(
+    storage: Storage,
+    file_stem: str,
+    chunks: Sequence[ChunkWrite],
+    shard_data: Sequence[torch.Tensor],
+    objects: Sequence[tuple[ObjectShard, bytes]],
+    block_bytes: int,
+    file_count: int = 1,
+) -> tuple[list[tuple[str, ChunkEntry]], list[tuple[str, ObjectEntry]]]:
+    """Write this rank's chunks and serialized objects into ``file_count`` safetensors files.
+
+    ``shard_data[i]`` is the CPU data of local shard ``i``; a :class:`ChunkWrite` takes a
+    contiguous slice of its flattening. Files are filled in parallel, one thread each, and
+    fsync'd. Returns the index records of what was written.
+    """
+    blobs: list[_Blob] = []
+    flat_cache: dict[int, torch.Tensor] = {}
+    for write in chunks:
+        data = shard_data[write.shard_index]
+        flat = flat_cache.get(write.shard_index)
+        if flat is None:
+            flat = flat_cache[write.shard_index] = data.detach().reshape(-1).contiguous()
+        piece = flat[write.data_start : write.data_start + write.box.volume]
+        view = tensor_bytes(piece)
+        entry = Entry(chunk_name(write.key, write.box.offset), safetensors_code(data.dtype),
+                      write.box.shape, len(view))
+        blobs.append(_Blob(entry, view, "chunk", write))
+    for shard, raw in objects:
+        entry = Entry(object_name(shard.unique_key), "U8", (len(raw),), len(raw))
+        blobs.append(_Blob(entry, memoryview(raw), "object", shard))
+    if not blobs:
+        return [], []
+
+    # Spread blobs over the files by bytes (largest first to the emptiest file).
+    file_count = max(1, min(file_count, len(blobs)))
+    groups: list[list[_Blob]] = [[] for _ in range(file_count)]
+    loads = [0] * file_count
+    for blob in sorted(blobs, key=lambda b: -b.entry.nbytes):
+        target = loads.index(min(loads))
+        groups[target].append(blob)
+        loads[target] += blob.entry.nbytes
+    for group in groups:
+        group.sort(key=lambda b: (b.kind, b.entry.name))
+    names = [f"{file_stem}-{i}.safetensors" for i in range(file_count)]
+
+    def write_file(name: str, group: list[_Blob]):
+        header, offsets = build_header([b.entry for b in group], {"format": "distckpt"})
+        writer = storage.open_writer(name)
+        records = []
+        try:
+            writer.write(memoryview(header))
+            for blob, offset in zip(group, offsets):
+                crcs = tuple(checksum.block_crcs(blob.data, block_bytes))
+                writer.write(blob.data)
+                records.append((blob, offset, crcs))
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        return [(name, blob, offset, crcs) for blob, offset, crcs in records]
+
+    if file_count == 1:
+        results = [write_file(names[0], groups[0])]
+    else:
+        with ThreadPoolExecutor(file_count, thread_name_prefix="distckpt-write") as pool:
+            results = list(pool.map(write_file, names, groups))
+
+    tensor_records: list[tuple[str, ChunkEntry]] = []
+    object_records: list[tuple[str, ObjectEntry]] = []
+    for name, blob, offset, crcs in (r for result in results for r in result):
+        if blob.kind == "chunk":
+            write: ChunkWrite = blob.ref  # type: ignore[assignment]
+            tensor_records.append(
+                (write.key, ChunkEntry(write.box.offset, write.box.shape, name, offset,
+                                       blob.entry.nbytes, crcs))
+            )
+        else:
+            shard: ObjectShard = blob.ref  # type: ignore[assignment]
+            object_records.append(
+                (shard.unique_key, ObjectEntry(shard.key, shard.global_shape, shard.global_offset,
+                                               name, offset, blob.entry.nbytes, crcs))
+            )
+    return tensor_records, object_records
+
+
+@dataclass
+class ReadStats:
+    bytes_read: int = 0
+    chunks_read: int = 0
+    direct_reads: int = 0
+
+
+def execute_reads(
+    storage: Storage,
+    reads: Sequence[ChunkRead],
+    destinations: Sequence[torch.Tensor],
+    dtypes: Sequence[torch.dtype],
+    block_bytes: int,
+    thread_count: int = 1,
+) -> ReadStats:
+    """Perform ``reads``, filling ``destinations[request]`` (contiguous CPU tensors).
+
+    Raises :class:`ChecksumError` naming the file, tensor and chunk when bytes do not match
+    their recorded crc32c.
+    """
+    flats = [d.reshape(-1) for d in destinations]
+    stats = ReadStats()
+
+    def dst_region(copy: Copy) -> torch.Tensor:
+        view_numel = math.prod(copy.dst_view_shape)
+        view = flats[copy.request][copy.dst_flat_start : copy.dst_flat_start + view_numel]
+        view = view.view(copy.dst_view_shape)
+        return view[tuple(slice(o, o + s) for o, s in zip(copy.dst_offset, copy.shape))]
+
+    def verify(read: ChunkRead, data: memoryview, first_block: int) -> None:
+        chunk = read.chunk
+        expected = chunk.crc32c[first_block:]
+        bad = checksum.first_mismatch(data, block_bytes, expected)
+        if bad is not None:
+            block = first_block + bad
+            raise ChecksumError(
+                f"{storage.describe(chunk.file)}: checksum mismatch in tensor {read.key!r}, chunk "
+                f"at offset {list(chunk.offset)} (bytes {chunk.data_offset + block * block_bytes}"
+                f"..{chunk.data_offset + min(chunk.nbytes, (block + 1) * block_bytes)} of the "
+                "file): the file is corrupt; restore it from a copy or load another checkpoint"
+            )
+
+    def run(read: ChunkRead) -> int:
+        chunk = read.chunk
+        dtype = dtypes[read.copies[0].request]
+        region = dst_region(read.copies[0]) if read.whole_chunk_to_contiguous_dst else None
+        if region is not None and region.is_contiguous():
+            view = tensor_bytes(region)
+            _read_into(storage, chunk, chunk.data_offset, view)
+            verify(read, view, 0)
+            return -len(view)  # negative marks a direct read
+        length = read.read_stop - read.read_start
+        buffer = torch.empty(length, dtype=torch.uint8)
+        view = memoryview(buffer.numpy()) if length else memoryview(b"")
+        _read_into(storage, chunk, chunk.data_offset + read.read_start, view)
+        verify(read, view, read.read_start // block_bytes)
+        first, last = read.rows
+        if chunk.shape:
+            row_bytes = math.prod(chunk.shape[1:]) * read.itemsize
+            base = first * row_bytes - read.read_start
+            src = buffer[base : base + (last - first) * row_bytes].view(dtype)
+            src = src.view((last - first,) + chunk.shape[1:])
+        else:
+            src = buffer.view(dtype).view(())
+            first = 0
+        for copy in read.copies:
+            if not chunk.shape:
+                dst_region(copy).copy_(src)
+                continue
+            index = (slice(copy.src_offset[0] - first, copy.src_offset[0] - first + copy.shape[0]),)
+            index += tuple(slice(o, o + s) for o, s in zip(copy.src_offset[1:], copy.shape[1:]))
+            dst_region(copy).copy_(src[index])
+        return length
+
+    if thread_count <= 1 or len(reads) <= 1:
+        sizes = [run(r) for r in reads]
+    else:
+        with ThreadPoolExecutor(thread_count, thread_name_prefix="distckpt-read") as pool:
+            sizes = list(pool.map(run, reads))
+    for size in sizes:
+        stats.bytes_read += abs(size)
+        stats.chunks_read += 1
+        stats.direct_reads += size < 0
+    return stats
+
+
+def _read_into(storage: Storage, chunk: ChunkEntry, offset: int, view: memoryview) -> None:
+    if not len(view):
+        return
+    try:
+        storage.read_into(chunk.file, offset, view)
+    except FileNotFoundError:
+        raise StorageError(
+            f"{storage.describe(chunk.file)}: data file is missing; the checkpoint is incomplete "
+            "or was damaged"
+        ) from None
+    except StorageError:
+        raise
+    except OSError as exc:
+        raise StorageError(f"{storage.describe(chunk.file)}: read failed: {exc}") from exc

@@ -1,0 +1,171 @@
+"""The save protocol's building blocks: describe local shards, write them, commit.
+
+Commit protocol (see docs/format.md): every rank writes and fsyncs its data files, named with
+a fresh save id; the coordinator then writes the index and the common state, and finally
+replaces ``metadata.json`` atomically. Until that rename the directory still shows the previous
+checkpoint (or none), never a mix; afterwards the previous checkpoint's files are removed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .. import checksum
+from ..errors import CheckpointExistsError, CheckpointingException, CorruptCheckpointError
+from ..format.dtypes import dtype_name, itemsize
+from ..format.index import DEFAULT_BLOCK_BYTES, CheckpointIndex, ChunkEntry, ObjectEntry, TensorEntry
+from ..format.metadata import METADATA_FILE, CheckpointMetadata, FileRef
+from ..mapping import ShardedObject, ShardedTensor, is_main_replica
+from ..planning.boxes import Box
+from ..planning.shards import ObjectShard, TensorShard
+from ..storage import Storage
+from .checkpoint import read_metadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalShards:
+    """What this rank saves: plain descriptions plus the data they describe."""
+
+    tensors: list[TensorShard] = field(default_factory=list)
+    tensor_data: list[torch.Tensor] = field(default_factory=list)
+    objects: list[ObjectShard] = field(default_factory=list)
+    object_bytes: list[bytes] = field(default_factory=list)
+
+
+def describe_local(
+    sharded_tensors: Sequence[ShardedTensor],
+    sharded_objects: Sequence[ShardedObject],
+    serialize: Callable[[Any], bytes],
+) -> LocalShards:
+    """Describe this rank's shards; tensors on other devices are copied to host memory."""
+    local = LocalShards()
+    for st in sharded_tensors:
+        if st.data is None or st.data.device.type == "meta":
+            raise CheckpointingException(
+                f"ShardedTensor {st.key!r} has no data to save (data is "
+                f"{'None' if st.data is None else 'on the meta device'})"
+            )
+        data = st.data.detach()
+        if data.device.type != "cpu":
+            data = data.to("cpu")
+        local.tensors.append(
+            TensorShard(
+                st.key,
+                dtype_name(st.dtype),
+                itemsize(st.dtype),
+                st.global_shape,
+                Box(st.global_offset, st.box_shape),
+                None if st.flattened_range is None else (st.flattened_range.start, st.flattened_range.stop),
+                is_main_replica(st.replica_id),
+            )
+        )
+        local.tensor_data.append(data)
+    for obj in sharded_objects:
+        raw = serialize(obj.data)
+        local.objects.append(
+            ObjectShard(obj.unique_key, obj.key, obj.global_shape, obj.global_offset, len(raw),
+                        is_main_replica(obj.replica_id))
+        )
+        local.object_bytes.append(raw)
+    return local
+
+
+def new_save_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def check_destination(storage: Storage, overwrite: bool) -> None:
+    """Coordinator-side check before anything is written."""
+    if storage.exists(METADATA_FILE) and not overwrite:
+        raise CheckpointExistsError(
+            f"{storage.root} already holds a checkpoint; pass overwrite=True to replace it, or "
+            "save to another directory"
+        )
+    storage.prepare_root()
+
+
+def build_index(
+    all_tensors: Sequence[Sequence[TensorShard]],
+    written: Sequence[tuple[list[tuple[str, ChunkEntry]], list[tuple[str, ObjectEntry]]]],
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> CheckpointIndex:
+    """Assemble the index from every rank's descriptions and write records."""
+    index = CheckpointIndex(block_bytes=block_bytes)
+    for shards in all_tensors:
+        for shard in shards:
+            index.tensors.setdefault(shard.key, TensorEntry(shard.dtype, shard.global_shape))
+    for tensor_records, object_records in written:
+        for key, chunk in tensor_records:
+            index.tensors[key].chunks.append(chunk)
+        for unique_key, entry in object_records:
+            index.objects[unique_key] = entry
+    for entry in index.tensors.values():
+        entry.chunks.sort(key=lambda c: c.offset)
+    index.tensors = dict(sorted(index.tensors.items()))
+    index.objects = dict(sorted(index.objects.items()))
+    return index
+
+
+def _write_ref(storage: Storage, name: str, raw: bytes) -> FileRef:
+    storage.write_atomic(name, raw)
+    return FileRef(name, len(raw), checksum.crc32c(raw))
+
+
+def commit(
+    storage: Storage,
+    save_id: str,
+    index: CheckpointIndex,
+    common_bytes: bytes,
+    *,
+    content_metadata: dict | None,
+    world_size: int,
+    sharded_backend: tuple[str, int],
+    common_backend: tuple[str, int],
+) -> CheckpointMetadata:
+    """Coordinator only: write index and common state, then the commit marker; then remove the
+    files of the checkpoint this one replaces."""
+    from .. import __version__
+
+    previous = _previous_files(storage)
+    index_ref = _write_ref(storage, f"index-{save_id}.json", index.to_json())
+    common_ref = _write_ref(storage, f"common-{save_id}.pt", common_bytes)
+    metadata = CheckpointMetadata(
+        save_id=save_id,
+        index=index_ref,
+        common=common_ref,
+        sharded_backend=sharded_backend[0],
+        sharded_backend_version=sharded_backend[1],
+        common_backend=common_backend[0],
+        common_backend_version=common_backend[1],
+        content_metadata=content_metadata,
+        world_size=world_size,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        writer=f"distckpt {__version__}",
+    )
+    storage.write_atomic(METADATA_FILE, metadata.to_json())
+    keep = set(index.files) | {index_ref.file, common_ref.file, METADATA_FILE}
+    for name in previous - keep:
+        storage.delete(name)
+    return metadata
+
+
+def _previous_files(storage: Storage) -> set[str]:
+    """Files of the committed checkpoint about to be replaced (empty if none or unreadable)."""
+    if not storage.exists(METADATA_FILE):
+        return set()
+    try:
+        old = read_metadata(storage)
+        raw = storage.read(old.index.file)
+        old_index = CheckpointIndex.from_json(raw, storage.describe(old.index.file))
+    except (CorruptCheckpointError, OSError, CheckpointingException) as exc:
+        logger.warning("not removing files of the replaced checkpoint in %s: %s", storage.root, exc)
+        return set()
+    return set(old_index.files) | {old.index.file, old.common.file}

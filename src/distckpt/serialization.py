@@ -1,0 +1,442 @@
+"""Entry points for saving and loading sharded checkpoints (Megatron-Core's API).
+
+``save`` and ``load`` are collective: call them on every rank of the default process group (or
+in a single process without ``torch.distributed``). A failure on any rank raises on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Callable, Optional, Union
+
+from .dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
+from .engine.checkpoint import CheckpointReader
+from .engine.collective import Coordinator
+from .engine.io import write_rank_files
+from .engine.save import build_index, check_destination, commit, describe_local, new_save_id
+from .errors import CheckpointingException
+from .format.metadata import CheckpointMetadata
+from .mapping import (
+    CommonStateDict,
+    LocalNonPersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+)
+from .format.dtypes import dtype_name, itemsize
+from .mapping import is_main_replica
+from .planning.boxes import Box
+from .planning.save_plan import plan_save
+from .planning.shards import ObjectShard, TensorShard
+from .storage import open_storage
+from .strategies import (
+    DistCkptSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    TorchLoadCommonStrategy,
+    get_default_strategy,
+)
+from .validation import (
+    StrictHandling,
+    common_digests,
+    determine_missing_and_unexpected_keys,
+    handle_mismatch,
+    parse_strict_flag,
+    validate_common_consistency,
+    validate_sharding_integrity,
+)
+
+logger = logging.getLogger(__name__)
+
+_CONTENT_METADATA_KEY = "content_metadata"
+CkptShardedMetadata = dict[str, Any]
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    sharded_strategy: Union[SaveShardedStrategy, tuple[str, int], None] = None,
+    common_strategy: Union[SaveCommonStrategy, tuple[str, int], None] = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Optional[Callable[[CommonStateDict], StateDict]] = None,
+    content_metadata: Optional[dict] = None,
+    *,
+    overwrite: bool = False,
+) -> None:
+    """Save a sharded state dict (collective).
+
+    Steps, as in Megatron-Core: apply factories; drop LocalNonPersistentObjects; extract the
+    sharded part; the rest is the common state (saved once, by rank 0); ShardedObjects and
+    ShardedTensors are written by the ranks chosen to balance bytes (each replica once);
+    ``metadata.json`` is written last, after every rank succeeded.
+
+    Args:
+        sharded_state_dict: nested dict of ShardedTensors, ShardedObjects, factories,
+            LocalNonPersistentObjects and common values. Factories are applied in place.
+        checkpoint_dir: directory to save to; created if missing.
+        sharded_strategy: a :class:`SaveShardedStrategy` or ``(backend, version)``.
+        common_strategy: a :class:`SaveCommonStrategy` or ``(backend, version)``.
+        validate_access_integrity: check that every element of every tensor is covered by
+            exactly one main replica and that the common state is equal on all ranks.
+        async_sharded_save: not available in this release (raises).
+        preprocess_common_before_consistancy_check: maps the common state before the
+            cross-rank equality check (e.g. to drop keys expected to differ); must not modify
+            its argument.
+        content_metadata: JSON-serializable dict identifying the content, stored in
+            ``metadata.json`` (readable without unpickling) and in the common state.
+        overwrite: replace a checkpoint already in ``checkpoint_dir``. The old one stays
+            loadable until the new one is committed.
+
+    Raises:
+        CheckpointExistsError: ``checkpoint_dir`` holds a checkpoint and ``overwrite`` is False.
+        ShardingValidationError: the shards or the common state are inconsistent.
+    """
+    if async_sharded_save:
+        raise CheckpointingException(
+            "async_sharded_save=True is not available in this release of distckpt; save with "
+            "async_sharded_save=False"
+        )
+    sharded_strategy = _resolve(StrategyAction.SAVE_SHARDED, sharded_strategy, ("distckpt", 1))
+    common_strategy = _resolve(StrategyAction.SAVE_COMMON, common_strategy, ("torch", 1))
+    storage = open_storage(checkpoint_dir)
+    coordinator = Coordinator()
+    local: dict[str, Any] = {}
+
+    def prepare() -> tuple:
+        apply_factories(sharded_state_dict)
+        _, state = extract_matching_values(
+            sharded_state_dict, lambda x: isinstance(x, LocalNonPersistentObject)
+        )
+        sharded_part, common = extract_matching_values(state, lambda x: isinstance(x, ShardedBase))
+        if isinstance(common, list):
+            raise CheckpointingException("the state dict must be a dict, not a list")
+        if content_metadata is not None:
+            _check_json(content_metadata)
+            common[_CONTENT_METADATA_KEY] = content_metadata
+        leaves = list(nested_values(sharded_part)) if sharded_part else []
+        shards = describe_local(
+            [x for x in leaves if isinstance(x, ShardedTensor)],
+            [x for x in leaves if isinstance(x, ShardedObject)],
+            common_strategy.serialize,
+        )
+        local["shards"], local["common"] = shards, common
+        digests = None
+        if validate_access_integrity:
+            checked = common
+            if preprocess_common_before_consistancy_check is not None:
+                checked = preprocess_common_before_consistancy_check(common)
+            digests = common_digests(checked)
+        save_id = None
+        if coordinator.is_coordinator:
+            check_destination(storage, overwrite)
+            save_id = new_save_id()
+        return shards.tensors, shards.objects, digests, save_id
+
+    gathered = coordinator.exchange("save preparation", prepare)
+    all_tensors = [g[0] for g in gathered]
+    all_objects = [g[1] for g in gathered]
+    save_id = gathered[0][3]
+    if validate_access_integrity:
+        validate_sharding_integrity(all_tensors, all_objects)
+        validate_common_consistency([g[2] for g in gathered])
+    plans = plan_save(all_tensors, all_objects)
+    block_bytes = getattr(sharded_strategy, "block_bytes", DistCkptSaveShardedStrategy().block_bytes)
+
+    def write() -> tuple:
+        shards = local["shards"]
+        plan = plans[coordinator.rank]
+        return write_rank_files(
+            storage,
+            f"data-{save_id}-r{coordinator.rank:05d}",
+            plan.chunks,
+            shards.tensor_data,
+            [(shards.objects[i], shards.object_bytes[i]) for i in plan.objects],
+            block_bytes,
+            sharded_strategy.thread_count,
+        )
+
+    written = coordinator.exchange("writing data", write)
+
+    def finish() -> None:
+        if coordinator.is_coordinator:
+            commit(
+                storage,
+                save_id,
+                build_index(all_tensors, written, block_bytes),
+                common_strategy.serialize(local["common"]),
+                content_metadata=content_metadata,
+                world_size=coordinator.world_size,
+                sharded_backend=(sharded_strategy.backend, sharded_strategy.version),
+                common_backend=(common_strategy.backend, common_strategy.version),
+            )
+
+    coordinator.exchange("commit", finish)
+
+
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    sharded_strategy: Union[LoadShardedStrategy, tuple[str, int], None] = None,
+    common_strategy: Union[LoadCommonStrategy, tuple[str, int], None] = None,
+    validate_access_integrity: bool = True,
+    strict: Union[str, bool, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    *,
+    allow_pickle: bool = False,
+) -> Union[StateDict, tuple[StateDict, set[str], set[str]]]:
+    """Load a checkpoint into the layout described by ``sharded_state_dict`` (collective).
+
+    Any saved layout loads into any requested layout. ShardedTensor data is filled in place
+    (allocated on CPU if it is None or on the meta device).
+
+    Steps, as in Megatron-Core: load the common state (the base of the result); apply
+    factories; add LocalNonPersistentObjects unwrapped; load ShardedObjects and ShardedTensors;
+    apply factory merges.
+
+    Args:
+        sharded_state_dict: the requested layout (non-sharded leaves are ignored).
+        checkpoint_dir: the checkpoint directory.
+        sharded_strategy: a :class:`LoadShardedStrategy` or ``(backend, version)``; by default
+            the one matching the checkpoint's ``metadata.json``.
+        common_strategy: a :class:`LoadCommonStrategy` or ``(backend, version)``.
+        validate_access_integrity: check that the requests of all ranks cover every tensor
+            exactly once with main replicas.
+        strict: a :class:`StrictHandling` mode (or its string value, or a bool: True is
+            ``assume_ok_unexpected``, False is ``log_unexpected``).
+        allow_pickle: let the common state and ShardedObjects use full pickle (runs code from
+            the checkpoint: only for checkpoints you trust).
+
+    Returns:
+        The loaded state dict, or ``(state_dict, missing_keys, unexpected_keys)`` for the
+        ``RETURN_*`` strict modes.
+    """
+    strict = parse_strict_flag(strict)
+    coordinator = Coordinator()
+    local: dict[str, Any] = {}
+    need_global_keys = StrictHandling.requires_global_app_metadata(strict)
+
+    def prepare() -> tuple:
+        reader = CheckpointReader(checkpoint_dir)
+        sharded = _resolve_load_sharded(sharded_strategy, reader.metadata)
+        common_loader = _resolve_load_common(common_strategy, reader.metadata, allow_pickle)
+        common_state = common_loader.load_common(reader)
+        factories, _ = extract_matching_values(
+            sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
+        )
+        apply_factories(sharded_state_dict)
+        nonpersistent, state = extract_matching_values(
+            sharded_state_dict, lambda x: isinstance(x, LocalNonPersistentObject)
+        )
+        sharded_part, _ = extract_matching_values(state, lambda x: isinstance(x, ShardedBase))
+        leaves = list(nested_values(sharded_part)) if sharded_part else []
+        local_keys = {_key_of(x) for x in leaves}
+        unexpected: set[str] = set()
+        if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+            checkpoint_keys = set(reader.index.tensors) | set(reader.index.objects)
+            _, unexpected = determine_missing_and_unexpected_keys(checkpoint_keys, local_keys)
+            handle_mismatch(strict, set(), unexpected, reader.path)
+            if unexpected:
+                sharded_part, _ = extract_matching_values(
+                    sharded_part, lambda x: _key_of(x) not in unexpected
+                )
+                leaves = [x for x in leaves if _key_of(x) not in unexpected]
+        local.update(
+            reader=reader,
+            sharded=sharded,
+            common_loader=common_loader,
+            common=common_state,
+            factories=factories,
+            nonpersistent=dict_list_map_inplace(lambda x: x.unwrap(), nonpersistent),
+            sharded_part=sharded_part,
+            unexpected=unexpected,
+        )
+        descriptors = _describe_request(leaves) if validate_access_integrity else None
+        return (local_keys if need_global_keys else None), descriptors
+
+    gathered = coordinator.exchange("load preparation", prepare)
+    missing: set[str] = set()
+    reader: CheckpointReader = local["reader"]
+    if need_global_keys:
+        requested = set().union(*(g[0] for g in gathered))
+        missing, _ = determine_missing_and_unexpected_keys(
+            set(reader.index.tensors) | set(reader.index.objects), (), requested
+        )
+        handle_mismatch(strict, missing, set(), reader.path)
+    if validate_access_integrity:
+        validate_sharding_integrity([g[1][0] for g in gathered], [g[1][1] for g in gathered])
+
+    def read() -> None:
+        if local["sharded_part"]:
+            local["loaded"] = local["sharded"].load(
+                local["sharded_part"], reader, local["common_loader"]
+            )
+
+    coordinator.exchange("loading", read)
+    result = local["common"]
+    merge(result, local["nonpersistent"])
+    if "loaded" in local:
+        merge(result, local["loaded"])
+    result = apply_factory_merges(result, local["factories"])
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return result, missing, local["unexpected"]
+    return result
+
+
+def _key_of(x: ShardedBase) -> str:
+    return x.unique_key if isinstance(x, ShardedObject) else x.key
+
+
+def _describe_request(leaves: list) -> tuple[list[TensorShard], list[ObjectShard]]:
+    tensors = [
+        TensorShard(
+            x.key,
+            dtype_name(x.dtype),
+            itemsize(x.dtype),
+            x.global_shape,
+            Box(x.global_offset, x.box_shape),
+            None if x.flattened_range is None else (x.flattened_range.start, x.flattened_range.stop),
+            is_main_replica(x.replica_id),
+        )
+        for x in leaves
+        if isinstance(x, ShardedTensor)
+    ]
+    objects = [
+        ObjectShard(x.unique_key, x.key, x.global_shape, x.global_offset, 0, is_main_replica(x.replica_id))
+        for x in leaves
+        if isinstance(x, ShardedObject)
+    ]
+    return tensors, objects
+
+
+def load_common_state_dict(checkpoint_dir: PathLike, *, allow_pickle: bool = False) -> StateDict:
+    """Load the common (non-sharded) state of the checkpoint, on this process only."""
+    reader = CheckpointReader(checkpoint_dir)
+    return _resolve_load_common(None, reader.metadata, allow_pickle).load_common(reader)
+
+
+def load_tensors_metadata(
+    checkpoint_dir: PathLike, sharded_strategy: Optional[LoadShardedStrategy] = None
+) -> CkptShardedMetadata:
+    """``{key: ShardedTensor}`` with meta-device data of the global shape and dtype."""
+    reader = CheckpointReader(checkpoint_dir)
+    return _resolve_load_sharded(sharded_strategy, reader.metadata).load_tensors_metadata(reader)
+
+
+def load_sharded_metadata(
+    checkpoint_dir: PathLike,
+    sharded_strategy: Optional[LoadShardedStrategy] = None,
+    common_strategy: Optional[LoadCommonStrategy] = None,
+) -> CkptShardedMetadata:
+    """Like :func:`load_tensors_metadata`, plus ShardedObjects keyed by their unique key."""
+    del common_strategy  # the index describes objects too; kept for API compatibility
+    reader = CheckpointReader(checkpoint_dir)
+    return _resolve_load_sharded(sharded_strategy, reader.metadata).load_sharded_metadata(reader)
+
+
+def load_plain_tensors(checkpoint_dir: PathLike) -> StateDict:
+    """Every tensor of the checkpoint, whole, keyed by its key (common state not included).
+
+    Runs on this process only, without collectives, so it works in a single process.
+    """
+    reader = CheckpointReader(checkpoint_dir)
+    strategy = _resolve_load_sharded(None, reader.metadata)
+    requests = strategy.load_tensors_metadata(reader)
+    for sh_ten in requests.values():
+        sh_ten.data = None
+    return strategy.load(requests, reader)
+
+
+def load_content_metadata(
+    checkpoint_dir: Optional[PathLike] = None, *, preloaded_state_dict: Optional[StateDict] = None
+) -> Optional[dict]:
+    """The ``content_metadata`` given to ``save`` (None if there was none).
+
+    Read from ``metadata.json`` (no unpickling), or from an already loaded state dict.
+    """
+    if preloaded_state_dict is not None:
+        return preloaded_state_dict.get(_CONTENT_METADATA_KEY)
+    if checkpoint_dir is None:
+        raise ValueError("pass checkpoint_dir or preloaded_state_dict")
+    return CheckpointReader(checkpoint_dir).metadata.content_metadata
+
+
+def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
+    """Remove the tensors whose key starts with ``key_prefix`` from the checkpoint.
+
+    Collective when ``torch.distributed`` is initialized (rank 0 does the work).
+    """
+    coordinator = Coordinator()
+
+    def remove() -> None:
+        if coordinator.is_coordinator:
+            reader = CheckpointReader(checkpoint_dir)
+            _resolve_load_sharded(None, reader.metadata).remove_sharded_tensors(reader, key_prefix)
+
+    coordinator.exchange("removing tensors", remove)
+
+
+def get_default_save_sharded_strategy(backend: str = "distckpt", version: int = 1) -> SaveShardedStrategy:
+    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
+
+
+def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -> SaveCommonStrategy:
+    return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
+
+
+def get_default_load_sharded_strategy(checkpoint_dir: PathLike) -> LoadShardedStrategy:
+    metadata = CheckpointReader(checkpoint_dir).metadata
+    return get_default_strategy(
+        StrategyAction.LOAD_SHARDED, metadata.sharded_backend, metadata.sharded_backend_version
+    )
+
+
+def _resolve(action: StrategyAction, strategy: Any, default: tuple[str, int]) -> Any:
+    if strategy is None:
+        return get_default_strategy(action, *default)
+    if isinstance(strategy, tuple):
+        return get_default_strategy(action, *strategy)
+    return strategy
+
+
+def _resolve_load_sharded(strategy: Any, metadata: CheckpointMetadata) -> LoadShardedStrategy:
+    resolved = _resolve(
+        StrategyAction.LOAD_SHARDED, strategy, (metadata.sharded_backend, metadata.sharded_backend_version)
+    )
+    resolved.check_backend_compatibility(metadata.sharded_backend)
+    resolved.check_version_compatibility(metadata.sharded_backend_version)
+    return resolved
+
+
+def _resolve_load_common(strategy: Any, metadata: CheckpointMetadata, allow_pickle: bool) -> LoadCommonStrategy:
+    if strategy is None and metadata.common_backend == "torch":
+        return TorchLoadCommonStrategy(allow_pickle=allow_pickle)
+    resolved = _resolve(
+        StrategyAction.LOAD_COMMON, strategy, (metadata.common_backend, metadata.common_backend_version)
+    )
+    resolved.check_backend_compatibility(metadata.common_backend)
+    resolved.check_version_compatibility(metadata.common_backend_version)
+    return resolved
+
+
+def _check_json(content_metadata: Any) -> None:
+    if not isinstance(content_metadata, dict):
+        raise CheckpointingException(
+            f"content_metadata must be a dict, got {type(content_metadata).__name__}"
+        )
+    try:
+        json.dumps(content_metadata)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointingException(
+            f"content_metadata must be JSON-serializable (it is stored in metadata.json): {exc}"
+        ) from None

@@ -1,0 +1,66 @@
+"""The storage contract: a flat namespace of named byte blobs under one checkpoint root.
+
+Kept small on purpose (zarr's ``Store``, obstore's capability protocols): every operation the
+engine needs, nothing it doesn't. A backend translates names to its own addressing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class Writer(ABC):
+    """Sequential writer of one blob; the blob is durable only after :meth:`close`."""
+
+    @abstractmethod
+    def write(self, data: memoryview) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Flush and make the blob durable (fsync / complete the upload)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard what was written; never raises."""
+
+
+class Storage(ABC):
+    """A checkpoint root. Names are plain file names (no separators)."""
+
+    root: str
+
+    @abstractmethod
+    def exists(self, name: str) -> bool: ...
+
+    @abstractmethod
+    def list(self) -> list[str]:
+        """Names of the blobs under the root (empty if the root does not exist)."""
+
+    @abstractmethod
+    def size(self, name: str) -> int: ...
+
+    @abstractmethod
+    def read(self, name: str) -> bytes: ...
+
+    @abstractmethod
+    def read_into(self, name: str, offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the bytes at ``offset``; raise if the blob is shorter."""
+
+    @abstractmethod
+    def open_writer(self, name: str) -> Writer: ...
+
+    @abstractmethod
+    def write_atomic(self, name: str, data: bytes) -> None:
+        """Replace ``name`` with ``data`` durably; readers see the old or the new blob."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove ``name`` if present."""
+
+    @abstractmethod
+    def prepare_root(self) -> None:
+        """Create the root if needed (called by the coordinator before a save)."""
+
+    def describe(self, name: str = "") -> str:
+        """A user-facing location for error messages."""
+        return f"{self.root.rstrip('/')}/{name}" if name else self.root

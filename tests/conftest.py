@@ -1,0 +1,21 @@
+"""Shared pytest fixtures.
+
+``dist``: a session-wide pool of worker processes for real multi-process
+torch.distributed (gloo, CPU) tests; see tests/_dist.py.  Workers start lazily on the
+first ``dist.run`` and are reused by every test, since spawning per test is too slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _dist import DistPool
+
+
+@pytest.fixture(scope="session")
+def dist():
+    pool = DistPool()
+    try:
+        yield pool
+    finally:
+        pool.close()
