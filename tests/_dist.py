@@ -7,9 +7,11 @@ in a gloo (CPU) default process group of exactly ``W`` ranks; the others stay id
 
 Usage (via the session fixture ``dist`` from conftest.py)::
 
+    import torch.distributed as tdist
+
     def _body(x):                      # module level, so workers can import it
-        t = torch.tensor([dist.get_rank()])
-        dist.all_reduce(t)
+        t = torch.tensor([tdist.get_rank()])
+        tdist.all_reduce(t)
         return t.item() + x
 
     def test_it(dist):
