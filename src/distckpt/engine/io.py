@@ -27,10 +27,12 @@ from ..storage import Storage
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor in row-major order, without a copy when it is contiguous."""
-    flat = tensor.detach().reshape(-1)
+    flat = tensor.detach().reshape(-1).contiguous()
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.contiguous().view(torch.uint8).numpy())
+    if flat.stride(0) != 1:  # a single element may carry any stride; view(uint8) needs 1
+        flat = flat.as_strided((1,), (1,))
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def chunk_name(key: str, box_offset: tuple[int, ...]) -> str:

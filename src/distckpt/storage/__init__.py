@@ -6,6 +6,7 @@ import os
 
 from .base import Storage, Writer
 from .local import LocalStorage
+from .memory import MemoryStorage
 
 
 def open_storage(location: "str | os.PathLike | Storage") -> Storage:
@@ -24,4 +25,4 @@ def open_storage(location: "str | os.PathLike | Storage") -> Storage:
     return LocalStorage(text)
 
 
-__all__ = ["Storage", "Writer", "LocalStorage", "open_storage"]
+__all__ = ["Storage", "Writer", "LocalStorage", "MemoryStorage", "open_storage"]
