@@ -143,9 +143,12 @@ def dict_list_map_outplace(f: Callable[[Any], Any], x: Any) -> Any:
 def merge(x1: dict | list, x2: dict | list, key: tuple = ()) -> dict | list:
     """Merge ``x2`` into ``x1`` in place (recursively) and return ``x1``.
 
-    Lists are merged element-wise and must have equal lengths; a leaf present in both is
-    overwritten by ``x2``'s.
+    Lists are merged element-wise and must have equal lengths, except that an empty list takes
+    the other one (a rank holding no shard of a list leaves an empty list in the common state);
+    a leaf present in both is overwritten by ``x2``'s.
     """
+    if isinstance(x1, list) and not x1:
+        return x2
     if isinstance(x1, dict) and isinstance(x2, dict):
         for k, v2 in x2.items():
             if k not in x1:

@@ -197,17 +197,18 @@ def _grid(shape: tuple[int, ...]):
 
 
 def common_digests(common: Any) -> dict[str, int]:
-    """A crc32c per leaf path of the common state, to compare ranks without sending it all."""
+    """A crc32c per leaf path of the common state, to compare ranks without sending it all.
+
+    Empty containers hold no data and are not compared: a rank that holds no shard of a list
+    of tensors leaves an empty list behind in its common part, which is harmless.
+    """
     out: dict[str, int] = {}
 
     def visit(x: Any, path: str) -> None:
         if isinstance(x, dict):
-            if not x:
-                out[path] = 0
             for k, v in x.items():
                 visit(v, f"{path}.{k}" if path else str(k))
         elif isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-            out[path + f"#{type(x).__name__}{len(x)}"] = 0
             for i, v in enumerate(x):
                 visit(v, f"{path}[{i}]")
         elif isinstance(x, torch.Tensor):

@@ -70,7 +70,11 @@ class Coordinator:
             payload: Any = ("ok", fn())
         except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
             local_error = exc
-            payload = ("error", type(exc).__name__, str(exc))
+            if isinstance(exc, OSError) and not isinstance(exc, errors.CheckpointingException):
+                # I/O failures become StorageError (still an OSError) on every rank alike.
+                local_error = errors.StorageError(f"rank {self.rank} failed during {step}: {exc}")
+                local_error.__cause__ = exc
+            payload = ("error", type(local_error).__name__, str(exc))
         results = self.all_gather(payload)
         failures = [(rank, r) for rank, r in enumerate(results) if r[0] == "error"]
         if not failures:
