@@ -450,3 +450,35 @@ def _copytree(src, dst):
     import shutil
 
     shutil.copytree(src, dst)
+
+
+def test_interrupted_overwrite_keeps_the_previous_checkpoint(ckpt, monkeypatch):
+    from distckpt.storage.local import LocalStorage
+
+    original = LocalStorage.write_atomic
+
+    def crash_before_commit(self, name, data):
+        if name == "metadata.json":
+            raise OSError(5, "simulated crash before the commit marker")
+        return original(self, name, data)
+
+    monkeypatch.setattr(LocalStorage, "write_atomic", crash_before_commit)
+    with pytest.raises(StorageError, match="simulated crash"):
+        distckpt.save(model_state(torch.ones(8, 6)), ckpt, overwrite=True)
+    monkeypatch.setattr(LocalStorage, "write_atomic", original)
+    # New data, index and common files exist, but the marker still names the old checkpoint.
+    assert len(glob.glob(str(ckpt / "data-*"))) == 2
+    assert torch.equal(distckpt.load(request(), ckpt)["w"], values(torch.float32, (8, 6)))
+    assert cli_main(["verify", str(ckpt)]) == 0
+    distckpt.save(model_state(torch.ones(8, 6)), ckpt, overwrite=True)  # the retry succeeds
+    assert torch.equal(distckpt.load(request(), ckpt)["w"], torch.ones(8, 6))
+
+
+def test_nothing_touches_cuda_on_the_cpu_path(tmp_path, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("torch.cuda used on a CPU-only path")
+
+    for name in ["is_available", "current_device", "synchronize", "device_count", "set_device"]:
+        monkeypatch.setattr(torch.cuda, name, forbidden)
+    distckpt.save(model_state(), tmp_path)
+    assert distckpt.load(request(), tmp_path)["step"] == 7
