@@ -15,7 +15,7 @@ def test_top_level_names():
         "get_default_save_common_strategy", "get_default_load_sharded_strategy", "ShardedTensor",
         "ShardedObject", "ShardedTensorFactory", "LocalNonPersistentObject", "StrictHandling",
         "CheckpointingException", "CheckpointNotFoundError", "IncompleteCheckpointError",
-        "CheckpointExistsError", "CorruptCheckpointError", "ChecksumError", "UnsupportedFormatError",
+        "CheckpointExistsError", "CorruptCheckpointError", "ChecksumError", "TruncatedFileError", "UnsupportedFormatError",
         "MismatchError", "MissingKeyError", "ShardingValidationError", "UnsafeCheckpointError",
         "StorageError", "RemoteRankError",
     ])

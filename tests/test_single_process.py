@@ -144,6 +144,9 @@ def test_content_metadata(tmp_path):
     assert distckpt.load_content_metadata(preloaded_state_dict=loaded) == {"format": "mcore", "step": 3}
     with pytest.raises(CheckpointingException, match="JSON"):
         distckpt.save(model_state(), tmp_path / "x", content_metadata={"obj": object()})
+    for bad in ({2: "a", 10: "b"}, {"x": float("nan")}, {"t": (1, 2)}):
+        with pytest.raises(CheckpointingException, match="JSON"):
+            distckpt.save(model_state(), tmp_path / "y", content_metadata=bad)
 
 
 def test_remove_sharded_tensors(ckpt):
@@ -280,12 +283,17 @@ def test_allow_shape_mismatch_loads_the_overlap(ckpt):
     assert torch.equal(data[8:], torch.full((2, 6), -1.0))
 
 
-def test_truncated_data_file(ckpt):
+@pytest.mark.parametrize("cut", ["object", "tensor"])
+def test_truncated_data_file(ckpt, cut):
     (data_file,) = glob.glob(str(ckpt / "data-*.safetensors"))
+    start, header = _header(data_file)
+    keep = start + header["w@0,0"]["data_offsets"][0] + 8 if cut == "tensor" else os.path.getsize(data_file) - 40
     with open(data_file, "r+b") as f:
-        f.truncate(os.path.getsize(data_file) - 40)
-    with pytest.raises((StorageError, ChecksumError), match="data-.*safetensors"):
+        f.truncate(keep)
+    what = "tensor 'w'" if cut == "tensor" else "object 'rng/shard_0_1'"
+    with pytest.raises(distckpt.TruncatedFileError, match=f"data-.*safetensors.*{what}"):
         distckpt.load(request(), ckpt)
+    assert cli_main(["verify", str(ckpt)]) == 1
 
 
 def test_flipped_byte_names_file_and_key(ckpt):
@@ -319,6 +327,51 @@ def test_missing_data_file(ckpt):
         os.remove(f)
     with pytest.raises(StorageError, match="data file is missing"):
         distckpt.load(request(), ckpt)
+    with pytest.raises(StorageError, match="data file is missing .*tensor 'w'"):
+        distckpt.load({"w": request()["w"]}, ckpt)
+
+
+def _rewrite_index(ckpt, mutate):
+    """Change the index and re-seal metadata.json, as a forger (or a buggy writer) could."""
+    from distckpt import checksum
+    from distckpt.format.metadata import CheckpointMetadata, FileRef
+
+    meta = CheckpointMetadata.from_json((ckpt / "metadata.json").read_bytes(), "m")
+    index = json.loads((ckpt / meta.index.file).read_text())
+    mutate(index)
+    raw = json.dumps(index).encode()
+    (ckpt / meta.index.file).write_bytes(raw)
+    meta.index = FileRef(meta.index.file, len(raw), checksum.crc32c(raw))
+    (ckpt / "metadata.json").write_bytes(meta.to_json())
+
+
+def test_index_with_a_hole_is_refused(tmp_path):
+    state = {"w": [ShardedTensor.from_global_offset("w", torch.ones(2, 4), (4, 4), (0, 0)),
+                   ShardedTensor.from_global_offset("w", torch.ones(2, 4), (4, 4), (2, 0))]}
+    distckpt.save(state, tmp_path)
+    _rewrite_index(tmp_path, lambda index: index["tensors"]["w"]["chunks"].pop())
+    with pytest.raises(CorruptCheckpointError, match=r"'w': the checkpoint has no data for 8 elements"):
+        distckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4))}, tmp_path)
+
+
+def test_index_with_overlapping_chunks_or_escaping_paths_is_refused(tmp_path):
+    state = {"w": [ShardedTensor.from_global_offset("w", torch.ones(2, 4), (4, 4), (0, 0)),
+                   ShardedTensor.from_global_offset("w", torch.ones(2, 4), (4, 4), (2, 0))]}
+    distckpt.save(state, tmp_path)
+
+    def overlap(index):
+        index["tensors"]["w"]["chunks"][1]["offset"] = [1, 0]
+
+    _rewrite_index(tmp_path, overlap)
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
+        distckpt.load_plain_tensors(tmp_path)
+
+    def escape(index):
+        index["files"][0] = "../../etc/passwd"
+
+    _rewrite_index(tmp_path, escape)
+    with pytest.raises(CorruptCheckpointError, match="plain file names"):
+        distckpt.load_plain_tensors(tmp_path)
 
 
 class Evil:
@@ -482,3 +535,20 @@ def test_nothing_touches_cuda_on_the_cpu_path(tmp_path, monkeypatch):
         monkeypatch.setattr(torch.cuda, name, forbidden)
     distckpt.save(model_state(), tmp_path)
     assert distckpt.load(request(), tmp_path)["step"] == 7
+
+
+def test_overwrite_removes_every_file_of_the_replaced_checkpoint(tmp_path):
+    from distckpt.strategies import DistCkptSaveShardedStrategy
+
+    many_files = DistCkptSaveShardedStrategy(thread_count=3)
+    state = {k: ShardedTensor.from_rank_offsets(k, torch.full((4,), float(i))) for i, k in enumerate("abc")}
+    state["empty"] = ShardedTensor.from_rank_offsets("empty", torch.zeros(0))
+    distckpt.save(state, tmp_path, sharded_strategy=many_files)
+    # No data file without an index entry, even with more threads than non-empty chunks.
+    reader = distckpt.engine.checkpoint.CheckpointReader(tmp_path)
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("data-")) == reader.index.files
+    distckpt.remove_sharded_tensors(tmp_path, "a")
+    distckpt.save({"z": ShardedTensor.from_rank_offsets("z", torch.ones(2))}, tmp_path, overwrite=True)
+    reader = distckpt.engine.checkpoint.CheckpointReader(tmp_path)
+    expected = set(reader.index.files) | {reader.metadata.index.file, reader.metadata.common.file, "metadata.json"}
+    assert set(os.listdir(tmp_path)) == expected

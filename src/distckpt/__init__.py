@@ -18,6 +18,7 @@ from .errors import (
     RemoteRankError,
     ShardingValidationError,
     StorageError,
+    TruncatedFileError,
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "CheckpointExistsError",
     "CorruptCheckpointError",
     "ChecksumError",
+    "TruncatedFileError",
     "UnsupportedFormatError",
     "MismatchError",
     "MissingKeyError",

@@ -34,6 +34,10 @@ class ChecksumError(CorruptCheckpointError):
     """Bytes read back do not match the crc32c recorded when they were written."""
 
 
+class TruncatedFileError(CorruptCheckpointError):
+    """A file of the checkpoint is shorter than the index says."""
+
+
 class UnsupportedFormatError(CheckpointingException, ValueError):
     """The checkpoint was written in a format or version this release cannot read."""
 
@@ -71,6 +75,7 @@ __all__ = [
     "CheckpointExistsError",
     "CorruptCheckpointError",
     "ChecksumError",
+    "TruncatedFileError",
     "UnsupportedFormatError",
     "MismatchError",
     "MissingKeyError",

@@ -420,7 +420,9 @@ def _resolve_load_sharded(strategy: Any, metadata: CheckpointMetadata) -> LoadSh
 
 def _resolve_load_common(strategy: Any, metadata: CheckpointMetadata, allow_pickle: bool) -> LoadCommonStrategy:
     if strategy is None and metadata.common_backend == "torch":
-        return TorchLoadCommonStrategy(allow_pickle=allow_pickle)
+        resolved = TorchLoadCommonStrategy(allow_pickle=allow_pickle)
+        resolved.check_version_compatibility(metadata.common_backend_version)
+        return resolved
     resolved = _resolve(
         StrategyAction.LOAD_COMMON, strategy, (metadata.common_backend, metadata.common_backend_version)
     )
@@ -435,8 +437,13 @@ def _check_json(content_metadata: Any) -> None:
             f"content_metadata must be a dict, got {type(content_metadata).__name__}"
         )
     try:
-        json.dumps(content_metadata)
+        round_trip = json.loads(json.dumps(content_metadata, allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise CheckpointingException(
             f"content_metadata must be JSON-serializable (it is stored in metadata.json): {exc}"
         ) from None
+    if round_trip != content_metadata:
+        raise CheckpointingException(
+            "content_metadata must survive a JSON round trip unchanged (string keys, lists "
+            "rather than tuples); it is stored in metadata.json"
+        )

@@ -8,6 +8,7 @@ chunk and are copied out. Checksums are computed and verified on the same memory
 from __future__ import annotations
 
 import math
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
@@ -15,7 +16,7 @@ from typing import Sequence
 import torch
 
 from .. import checksum
-from ..errors import ChecksumError, StorageError
+from ..errors import ChecksumError, CorruptCheckpointError, StorageError, TruncatedFileError
 from ..format.dtypes import safetensors_code
 from ..format.index import ChunkEntry, ObjectEntry
 from ..format.safetensors import Entry, build_header
@@ -23,6 +24,10 @@ from ..planning.load_plan import ChunkRead, Copy
 from ..planning.save_plan import ChunkWrite
 from ..planning.shards import ObjectShard
 from ..storage import Storage
+
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian machine runs torch today
+    raise ImportError("distckpt format v1 stores little-endian bytes; this machine is big-endian")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -93,9 +98,10 @@ def write_rank_files(
         target = loads.index(min(loads))
         groups[target].append(blob)
         loads[target] += blob.entry.nbytes
+    groups = [g for g in groups if g]
     for group in groups:
         group.sort(key=lambda b: (b.kind, b.entry.name))
-    names = [f"{file_stem}-{i}.safetensors" for i in range(file_count)]
+    names = [f"{file_stem}-{i}.safetensors" for i in range(len(groups))]
 
     def write_file(name: str, group: list[_Blob]):
         header, offsets = build_header([b.entry for b in group], {"format": "distckpt"})
@@ -113,10 +119,10 @@ def write_rank_files(
             raise
         return [(name, blob, offset, crcs) for blob, offset, crcs in records]
 
-    if file_count == 1:
+    if len(groups) == 1:
         results = [write_file(names[0], groups[0])]
     else:
-        with ThreadPoolExecutor(file_count, thread_name_prefix="distckpt-write") as pool:
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="distckpt-write") as pool:
             results = list(pool.map(write_file, names, groups))
 
     tensor_records: list[tuple[str, ChunkEntry]] = []
@@ -185,13 +191,13 @@ def execute_reads(
         region = dst_region(read.copies[0]) if read.whole_chunk_to_contiguous_dst else None
         if region is not None and region.is_contiguous():
             view = tensor_bytes(region)
-            _read_into(storage, chunk, chunk.data_offset, view)
+            _read_into(storage, read.key, chunk, chunk.data_offset, view)
             verify(read, view, 0)
             return -len(view)  # negative marks a direct read
         length = read.read_stop - read.read_start
         buffer = torch.empty(length, dtype=torch.uint8)
         view = memoryview(buffer.numpy()) if length else memoryview(b"")
-        _read_into(storage, chunk, chunk.data_offset + read.read_start, view)
+        _read_into(storage, read.key, chunk, chunk.data_offset + read.read_start, view)
         verify(read, view, read.read_start // block_bytes)
         first, last = read.rows
         if chunk.shape:
@@ -223,17 +229,22 @@ def execute_reads(
     return stats
 
 
-def _read_into(storage: Storage, chunk: ChunkEntry, offset: int, view: memoryview) -> None:
+def _read_into(storage: Storage, key: str, chunk: ChunkEntry, offset: int, view: memoryview) -> None:
     if not len(view):
         return
     try:
         storage.read_into(chunk.file, offset, view)
     except FileNotFoundError:
         raise StorageError(
-            f"{storage.describe(chunk.file)}: data file is missing; the checkpoint is incomplete "
-            "or was damaged"
+            f"{storage.describe(chunk.file)}: data file is missing (holds tensor {key!r}); the "
+            "checkpoint is incomplete or was damaged"
         ) from None
-    except StorageError:
+    except TruncatedFileError as exc:
+        raise TruncatedFileError(
+            f"{exc} while reading tensor {key!r}, chunk at offset {list(chunk.offset)}; the file "
+            "was cut short: restore it or load another checkpoint"
+        ) from None
+    except (StorageError, CorruptCheckpointError):
         raise
     except OSError as exc:
         raise StorageError(f"{storage.describe(chunk.file)}: read failed: {exc}") from exc

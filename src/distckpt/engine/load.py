@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 import torch
 
 from .. import checksum
-from ..errors import ChecksumError, MismatchError, MissingKeyError
+from ..errors import ChecksumError, MismatchError, MissingKeyError, StorageError, TruncatedFileError
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.index import CheckpointIndex
 from ..mapping import ShardedObject, ShardedTensor
@@ -113,6 +113,16 @@ def read_object_bytes(reader: CheckpointReader, obj: ShardedObject) -> bytes:
                 "layout, or leave this object out of the request"
             )
         raise MissingKeyError(missing_key_message(reader, "object", obj.unique_key))
+    where = reader.storage.describe(entry.file)
+    try:
+        size = reader.storage.size(entry.file)
+    except FileNotFoundError:
+        raise StorageError(f"{where}: data file is missing (holds object {obj.unique_key!r})") from None
+    if entry.data_offset + entry.nbytes > size:
+        raise TruncatedFileError(
+            f"{where}: object {obj.unique_key!r} needs bytes {entry.data_offset}.."
+            f"{entry.data_offset + entry.nbytes} but the file has {size} (truncated)"
+        )
     buffer = bytearray(entry.nbytes)
     if entry.nbytes:
         reader.storage.read_into(entry.file, entry.data_offset, memoryview(buffer))

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import checksum
-from ..errors import CheckpointExistsError, CheckpointingException, CorruptCheckpointError
+from ..errors import CheckpointExistsError, CheckpointingException
 from ..format.dtypes import dtype_name, itemsize
 from ..format.index import DEFAULT_BLOCK_BYTES, CheckpointIndex, ChunkEntry, ObjectEntry, TensorEntry
 from ..format.metadata import METADATA_FILE, CheckpointMetadata, FileRef
@@ -158,14 +158,14 @@ def commit(
 
 
 def _previous_files(storage: Storage) -> set[str]:
-    """Files of the committed checkpoint about to be replaced (empty if none or unreadable)."""
+    """Files of the committed checkpoint about to be replaced: every file carrying its save id
+    (data files dropped from its index by ``remove_sharded_tensors`` included)."""
     if not storage.exists(METADATA_FILE):
         return set()
     try:
         old = read_metadata(storage)
-        raw = storage.read(old.index.file)
-        old_index = CheckpointIndex.from_json(raw, storage.describe(old.index.file))
-    except (CorruptCheckpointError, OSError, CheckpointingException) as exc:
+    except (CheckpointingException, OSError) as exc:
         logger.warning("not removing files of the replaced checkpoint in %s: %s", storage.root, exc)
         return set()
-    return set(old_index.files) | {old.index.file, old.common.file}
+    prefixes = tuple(f"{kind}-{old.save_id}" for kind in ("data", "index", "common"))
+    return {name for name in storage.list() if name.startswith(prefixes)} | {old.index.file, old.common.file}

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..planning.boxes import Box
+from ..planning.coverage import find_overlap
 from .dtypes import dtype_from_name, itemsize
 
 INDEX_FORMAT = "distckpt-index"
@@ -27,7 +29,7 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
 
 
 def is_safe_file_name(name: object) -> bool:
-    return isinstance(name, str) and bool(_SAFE_NAME.match(name)) and ".." not in name
+    return isinstance(name, str) and bool(_SAFE_NAME.fullmatch(name)) and ".." not in name
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ class _IndexParser:
         if doc.get("format") != INDEX_FORMAT:
             raise self.fail("format", f"expected {INDEX_FORMAT!r}, got {doc.get('format')!r:.60}")
         version = doc.get("version")
-        if version != INDEX_VERSION:
+        if type(version) is not int or version != INDEX_VERSION:
             raise UnsupportedFormatError(
                 f"{self.path}: index version {version!r:.20} is not supported by this release "
                 f"(reads version {INDEX_VERSION}); upgrade distckpt"
@@ -231,6 +233,10 @@ class _IndexParser:
                     self.crcs(self.get(c, "crc32c", cw), nbytes, block_bytes, cw + " crc32c"),
                 )
             )
+        overlap = find_overlap([Box(c.offset, c.shape) for c in entry.chunks])
+        if overlap is not None:
+            raise self.fail(where, f"chunks {overlap[0]} and {overlap[1]} overlap in region "
+                                   f"{overlap[2].describe()}")
         return entry
 
     def object(self, unique_key: str, o: dict, files: list, block_bytes: int) -> ObjectEntry:
@@ -241,8 +247,15 @@ class _IndexParser:
         nbytes = self.int_(self.get(o, "nbytes", where), where + " nbytes")
         global_shape = self.ints(self.get(o, "global_shape", where), where + " global_shape")
         global_offset = self.ints(self.get(o, "global_offset", where), where + " global_offset")
-        if len(global_shape) != len(global_offset):
-            raise self.fail(where, "global_shape and global_offset must have the same length")
+        if len(global_shape) != len(global_offset) or any(
+            o >= n for o, n in zip(global_offset, global_shape)
+        ):
+            raise self.fail(where, "global_offset must lie inside global_shape (same length)")
+        expected_key = (
+            f"{key}/shard_{'.'.join(map(str, global_offset))}_{'.'.join(map(str, global_shape))}"
+        )
+        if unique_key != expected_key:
+            raise self.fail(where, f"entry describes {expected_key!r}, not {unique_key!r}")
         return ObjectEntry(
             key,
             global_shape,

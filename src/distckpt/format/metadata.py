@@ -4,6 +4,7 @@ after every rank succeeded; a directory without it holds no complete checkpoint.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -45,7 +46,7 @@ class CheckpointMetadata:
     def to_json(self) -> bytes:
         doc = asdict(self)
         doc["checksum"] = _self_checksum(doc)
-        return json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n"
+        return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False).encode() + b"\n"
 
     @classmethod
     def from_json(cls, raw: bytes, path: str) -> "CheckpointMetadata":
@@ -59,7 +60,7 @@ class CheckpointMetadata:
             raise CorruptCheckpointError(
                 f"{path}: format is {doc.get('format')!r:.60}, expected {FORMAT_NAME!r}"
             )
-        if doc.get("version") != FORMAT_VERSION:
+        if type(doc.get("version")) is not int or doc.get("version") != FORMAT_VERSION:
             raise UnsupportedFormatError(
                 f"{path}: format version {doc.get('version')!r:.20} is not supported by this "
                 f"release (reads version {FORMAT_VERSION}); upgrade distckpt"
@@ -77,21 +78,44 @@ class CheckpointMetadata:
             )
         except (KeyError, TypeError) as exc:
             raise CorruptCheckpointError(f"{path}: missing or unexpected field ({exc})") from None
-        if not isinstance(meta.save_id, str) or not isinstance(meta.world_size, int):
-            raise CorruptCheckpointError(f"{path}: save_id/world_size have the wrong type")
+        _check_fields(meta, path)
         if meta.content_metadata is not None and not isinstance(meta.content_metadata, dict):
             raise CorruptCheckpointError(f"{path}: content_metadata must be an object or null")
         return meta
 
 
+_SAVE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _check_fields(meta: CheckpointMetadata, path: str) -> None:
+    problems = []
+    if not isinstance(meta.save_id, str) or not _SAVE_ID.fullmatch(meta.save_id):
+        problems.append("save_id must be 1-64 characters of [A-Za-z0-9_-]")
+    if not _is_int(meta.world_size) or meta.world_size < 1:
+        problems.append("world_size must be a positive integer")
+    for name in ("sharded_backend", "common_backend", "created", "writer"):
+        if not isinstance(getattr(meta, name), str):
+            problems.append(f"{name} must be a string")
+    for name in ("sharded_backend_version", "common_backend_version"):
+        if not _is_int(getattr(meta, name)) or getattr(meta, name) < 1:
+            problems.append(f"{name} must be a positive integer")
+    if not isinstance(meta.extra, dict):
+        problems.append("extra must be an object")
+    if problems:
+        raise CorruptCheckpointError(f"{path}: {'; '.join(problems)}")
+
+
 def _file_ref(value: Any, path: str, name: str) -> FileRef:
     if (
         not isinstance(value, dict)
+        or set(value) != {"file", "nbytes", "crc32c"}
         or not is_safe_file_name(value.get("file"))
-        or not all(
-            isinstance(value.get(k), int) and not isinstance(value.get(k), bool) and value[k] >= 0
-            for k in ("nbytes", "crc32c")
-        )
+        or not all(_is_int(value[k]) and value[k] >= 0 for k in ("nbytes", "crc32c"))
+        or value["crc32c"] > 0xFFFFFFFF
     ):
         raise CorruptCheckpointError(
             f"{path}: field {name!r} must be {{file: plain name, nbytes: int, crc32c: int}}"

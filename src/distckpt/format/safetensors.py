@@ -12,10 +12,10 @@ import json
 import struct
 from dataclasses import dataclass
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointingException, CorruptCheckpointError
 
 # Headers larger than this are refused when parsing: a forged length must not allocate GBs.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_HEADER_BYTES = 100_000_000  # the limit of the safetensors library itself
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ def build_header(entries: list[Entry], metadata: dict[str, str] | None = None) -
     position = 0
     relative = []
     for entry in entries:
+        if entry.name in header:
+            raise CheckpointingException(f"duplicate entry {entry.name!r} in one data file")
         header[entry.name] = {
             "dtype": entry.code,
             "shape": list(entry.shape),
@@ -46,6 +48,11 @@ def build_header(entries: list[Entry], metadata: dict[str, str] | None = None) -
         position += entry.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % 8)
+    if len(text) > MAX_HEADER_BYTES:
+        raise CheckpointingException(
+            f"a data file header of {len(text)} bytes exceeds the safetensors limit "
+            f"({MAX_HEADER_BYTES}); save with a larger thread_count to spread chunks over more files"
+        )
     prefix = struct.pack("<Q", len(text)) + text
     return prefix, [len(prefix) + r for r in relative]
 

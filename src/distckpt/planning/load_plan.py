@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ..errors import CorruptCheckpointError
 from ..format.index import ChunkEntry, TensorEntry
 from .boxes import Box, intersect, is_contiguous_region, relative
 from .shards import TensorShard
@@ -69,10 +70,12 @@ def plan_reads(
         size = request.itemsize
         for piece in request.pieces():
             view_shape = piece.box.shape
+            covered = 0
             for chunk in _overlapping(entry, piece.box):
                 common = intersect(piece.box, Box(chunk.offset, chunk.shape))
                 if common is None:
                     continue
+                covered += common.volume
                 read = reads.get((chunk.file, chunk.data_offset))
                 if read is None:
                     read = reads[(chunk.file, chunk.data_offset)] = ChunkRead(request.key, chunk, size)
@@ -86,10 +89,24 @@ def plan_reads(
                         common.shape,
                     )
                 )
+            _check_covered(request.key, piece.box, entry.shape, covered)
     ordered = sorted(reads.values(), key=lambda r: (r.chunk.file, r.chunk.data_offset))
     for read in ordered:
         _set_byte_range(read, block_bytes)
     return ordered
+
+
+def _check_covered(key: str, box: Box, saved_shape: tuple[int, ...], covered: int) -> None:
+    # Chunks never overlap (the index parser checks), so counting elements finds holes. Only the
+    # part of the request inside the saved extent can be covered (allow_shape_mismatch).
+    inside = intersect(box, Box((0,) * len(saved_shape), saved_shape))
+    expected = inside.volume if inside is not None else 0
+    if covered != expected:
+        raise CorruptCheckpointError(
+            f"tensor {key!r}: the checkpoint has no data for {expected - covered} elements of the "
+            f"requested region {box.describe()}; the checkpoint is incomplete (saved without "
+            "validation from shards that left holes?) or its index was damaged"
+        )
 
 
 def _overlapping(entry: TensorEntry, box: Box) -> list[ChunkEntry]:

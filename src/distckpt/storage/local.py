@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 
-from ..errors import StorageError
+from ..errors import StorageError, TruncatedFileError
 from .base import Storage, Writer
 
 
@@ -68,7 +68,7 @@ class LocalStorage(Storage):
             while view:
                 n = os.preadv(fd, [view], offset)
                 if n == 0:
-                    raise StorageError(
+                    raise TruncatedFileError(
                         f"{self._path(name)}: file ends before byte {offset + len(view)} "
                         "(truncated data file)"
                     )

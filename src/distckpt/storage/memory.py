@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import StorageError
+from ..errors import TruncatedFileError
 from .base import Storage, Writer
 
 
@@ -53,7 +53,7 @@ class MemoryStorage(Storage):
         blob = self._get(name)
         view = memoryview(buffer).cast("B")
         if offset + len(view) > len(blob):
-            raise StorageError(f"{self.describe(name)}: blob ends before byte {offset + len(view)}")
+            raise TruncatedFileError(f"{self.describe(name)}: blob ends before byte {offset + len(view)}")
         view[:] = blob[offset : offset + len(view)]
 
     def open_writer(self, name: str) -> Writer:

@@ -36,9 +36,10 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
     except KeyError:
         known = sorted(_DEFAULT_STRATEGIES[action])
         error = UnsupportedFormatError if action.value.startswith("load") else CheckpointingException
+        hint = "; a newer distckpt may read it" if action.value.startswith("load") else ""
         raise error(
             f"no {action.value} strategy for backend {backend!r} version {version}; available: "
-            f"{known}"
+            f"{known}{hint}"
         ) from None
 
 
