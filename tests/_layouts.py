@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Optional
 
 import torch
 
 from distckpt import ShardedTensor
 
-Spec = tuple[tuple[int, ...], tuple[int, ...], Optional[tuple[int, int]], int]
+Spec = tuple[tuple[int, ...], tuple[int, ...], tuple[int, int] | None, int]
 
 
 def grid_cells(shape: tuple[int, ...], cuts: list[list[int]]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as tdist
 
 import distckpt
+from distckpt import ShardedObject, ShardedTensor
+
 from _dist import RankFailure
 from _layouts import full_tensor, make_sharded, random_layout, shard_of
-from distckpt import ShardedObject, ShardedTensor
 
 # Tensors of a model-like state: (key, global shape, dtype).
 TENSORS = [
@@ -106,7 +107,7 @@ def test_rows_to_columns(dist, tmp_path):
 
 
 def save_dp_replicated(path: str) -> None:
-    rank, world = tdist.get_rank(), tdist.get_world_size()
+    rank = tdist.get_rank()
     state = {f"p{i}": ShardedTensor.from_rank_offsets(f"p{i}", torch.full((64, 16), float(i)), replica_id=rank)
              for i in range(8)}
     distckpt.save(state, path)

@@ -49,7 +49,7 @@ def test_two_rank_golden_on_one_process():
 
 
 def load_two_rank_golden_as_columns(path: str) -> bool:
-    rank, world = tdist.get_rank(), tdist.get_world_size()
+    rank = tdist.get_rank()
     # 3 ranks: w split by columns unevenly (2, 1, 1); opt as flat ranges of the whole tensor.
     starts, widths = [0, 2, 3], [2, 1, 1]
     w = torch.zeros(8, widths[rank])

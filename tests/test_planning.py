@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _layouts import full_tensor, make_sharded, random_layout, shard_of
 from distckpt.engine.io import execute_reads, write_rank_files
+from distckpt.engine.load import load_tensors
 from distckpt.engine.save import build_index, describe_local
 from distckpt.errors import ShardingValidationError
 from distckpt.format.index import CheckpointIndex
@@ -19,10 +19,11 @@ from distckpt.planning.boxes import Box, flat_range_to_boxes
 from distckpt.planning.coverage import check_exact_cover
 from distckpt.planning.load_plan import plan_reads
 from distckpt.planning.save_plan import plan_save
-from distckpt.storage import MemoryStorage
-from distckpt.engine.load import load_tensors
 from distckpt.serialization import _describe_request
+from distckpt.storage import MemoryStorage
 from distckpt.validation import validate_sharding_integrity
+
+from _layouts import full_tensor, make_sharded, random_layout, shard_of
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64,
           torch.int8, torch.uint8, torch.bool]

@@ -3,7 +3,7 @@ on large buffers so checksums run in parallel with I/O threads."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import crc32c as _crc32c
 

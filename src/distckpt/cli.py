@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from .engine.checkpoint import CheckpointReader
 from .engine.verify import verify_checkpoint

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ def extract_matching_values(
         else:
             container.append(value)
 
+    items: Any
     if isinstance(x, dict):
         matching: dict | list = {}
         nonmatching: dict | list = {}

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Union
+from typing import Any, Union
 
 import torch
 
 from .dict_utils import dict_list_map_inplace, extract_matching_values
 from .errors import CheckpointingException
 
-ReplicaId = Union[int, tuple[int, ...]]
+ReplicaId = Union[int, tuple[int, ...]]  # noqa: UP007 - a runtime alias, valid on 3.10
 StateDict = dict[str, Any]
 ShardedStateDict = dict[str, Any]
 CommonStateDict = dict[str, Any]
@@ -73,16 +74,16 @@ class ShardedTensor(ShardedBase):
     """
 
     key: str
-    data: Optional[torch.Tensor] = field(repr=False)
+    data: torch.Tensor | None = field(repr=False)
     dtype: torch.dtype
     local_shape: tuple[int, ...]
     global_shape: tuple[int, ...]
     global_offset: tuple[int, ...]
-    axis_fragmentations: Optional[tuple[int, ...]]
+    axis_fragmentations: tuple[int, ...] | None
     replica_id: ReplicaId = 0
     prepend_axis_num: int = 0
     allow_shape_mismatch: bool = False
-    flattened_range: Optional[slice] = None
+    flattened_range: slice | None = None
 
     def __post_init__(self) -> None:
         self.local_shape = tuple(int(s) for s in self.local_shape)
@@ -162,7 +163,7 @@ class ShardedTensor(ShardedBase):
     def without_data(self) -> "ShardedTensor":
         return replace(self, data=None)
 
-    def init_data(self, device: Union[str, torch.device], init_fn: Callable = torch.empty) -> None:
+    def init_data(self, device: str | torch.device, init_fn: Callable = torch.empty) -> None:
         """Allocate ``data`` (e.g. for a metadata-only description before loading)."""
         if self.data is not None and self.data.device.type != "meta":
             return
@@ -231,7 +232,7 @@ class ShardedTensor(ShardedBase):
         data: torch.Tensor,
         non_flat_local_shape: tuple[int, ...],
         *args: Any,
-        flattened_range: Optional[slice],
+        flattened_range: slice | None,
         **kwargs: Any,
     ) -> "ShardedTensor":
         """Like :meth:`from_rank_offsets` for 1-D ``data`` holding ``flattened_range`` of a local
@@ -341,7 +342,7 @@ class ShardedObject(ShardedBase):
         return cls(key, None, shape, offset, replica_id)
 
 
-FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, Optional[slice]], ShardedStateDict]
+FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, slice | None], ShardedStateDict]
 FactoryMergeFn = Callable[[StateDict], Any]
 
 
@@ -359,7 +360,7 @@ class ShardedTensorFactory(ShardedBase):
     build_fn: FactoryBuildFn
     merge_fn: FactoryMergeFn
     replica_id: ReplicaId = 0
-    flattened_range: Optional[slice] = None
+    flattened_range: slice | None = None
 
     def build(self) -> ShardedStateDict:
         return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)

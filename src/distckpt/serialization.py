@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any, Union
 
 from .dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
 from .engine.checkpoint import CheckpointReader
@@ -17,6 +18,7 @@ from .engine.collective import Coordinator
 from .engine.io import write_rank_files
 from .engine.save import build_index, check_destination, commit, describe_local, new_save_id
 from .errors import CheckpointingException
+from .format.dtypes import dtype_name, itemsize
 from .format.metadata import CheckpointMetadata
 from .mapping import (
     CommonStateDict,
@@ -29,13 +31,12 @@ from .mapping import (
     StateDict,
     apply_factories,
     apply_factory_merges,
+    is_main_replica,
 )
-from .format.dtypes import dtype_name, itemsize
-from .mapping import is_main_replica
 from .planning.boxes import Box
 from .planning.save_plan import plan_save
 from .planning.shards import ObjectShard, TensorShard
-from .storage import open_storage
+from .storage import Storage, open_storage
 from .strategies import (
     DistCkptSaveShardedStrategy,
     LoadCommonStrategy,
@@ -60,18 +61,18 @@ logger = logging.getLogger(__name__)
 
 _CONTENT_METADATA_KEY = "content_metadata"
 CkptShardedMetadata = dict[str, Any]
-PathLike = Union[str, "os.PathLike[str]"]
+PathLike = Union[str, "os.PathLike[str]", "Storage"]
 
 
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: PathLike,
-    sharded_strategy: Union[SaveShardedStrategy, tuple[str, int], None] = None,
-    common_strategy: Union[SaveCommonStrategy, tuple[str, int], None] = None,
+    sharded_strategy: SaveShardedStrategy | tuple[str, int] | None = None,
+    common_strategy: SaveCommonStrategy | tuple[str, int] | None = None,
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
-    preprocess_common_before_consistancy_check: Optional[Callable[[CommonStateDict], StateDict]] = None,
-    content_metadata: Optional[dict] = None,
+    preprocess_common_before_consistancy_check: Callable[[CommonStateDict], StateDict] | None = None,
+    content_metadata: dict | None = None,
     *,
     overwrite: bool = False,
 ) -> None:
@@ -108,8 +109,8 @@ def save(
             "async_sharded_save=True is not available in this release of distckpt; save with "
             "async_sharded_save=False"
         )
-    sharded_strategy = _resolve(StrategyAction.SAVE_SHARDED, sharded_strategy, ("distckpt", 1))
-    common_strategy = _resolve(StrategyAction.SAVE_COMMON, common_strategy, ("torch", 1))
+    sharded_saver: SaveShardedStrategy = _resolve(StrategyAction.SAVE_SHARDED, sharded_strategy, ("distckpt", 1))
+    common_saver: SaveCommonStrategy = _resolve(StrategyAction.SAVE_COMMON, common_strategy, ("torch", 1))
     storage = open_storage(checkpoint_dir)
     coordinator = Coordinator()
     local: dict[str, Any] = {}
@@ -129,7 +130,7 @@ def save(
         shards = describe_local(
             [x for x in leaves if isinstance(x, ShardedTensor)],
             [x for x in leaves if isinstance(x, ShardedObject)],
-            common_strategy.serialize,
+            common_saver.serialize,
         )
         local["shards"], local["common"] = shards, common
         digests = None
@@ -152,7 +153,7 @@ def save(
         validate_sharding_integrity(all_tensors, all_objects)
         validate_common_consistency([g[2] for g in gathered])
     plans = plan_save(all_tensors, all_objects)
-    block_bytes = getattr(sharded_strategy, "block_bytes", DistCkptSaveShardedStrategy().block_bytes)
+    block_bytes = getattr(sharded_saver, "block_bytes", DistCkptSaveShardedStrategy().block_bytes)
 
     def write() -> tuple:
         shards = local["shards"]
@@ -164,7 +165,7 @@ def save(
             shards.tensor_data,
             [(shards.objects[i], shards.object_bytes[i]) for i in plan.objects],
             block_bytes,
-            sharded_strategy.thread_count,
+            sharded_saver.thread_count,
         )
 
     written = coordinator.exchange("writing data", write)
@@ -175,11 +176,11 @@ def save(
                 storage,
                 save_id,
                 build_index(all_tensors, written, block_bytes),
-                common_strategy.serialize(local["common"]),
+                common_saver.serialize(local["common"]),
                 content_metadata=content_metadata,
                 world_size=coordinator.world_size,
-                sharded_backend=(sharded_strategy.backend, sharded_strategy.version),
-                common_backend=(common_strategy.backend, common_strategy.version),
+                sharded_backend=(sharded_saver.backend, sharded_saver.version),
+                common_backend=(common_saver.backend, common_saver.version),
             )
 
     coordinator.exchange("commit", finish)
@@ -188,13 +189,13 @@ def save(
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: PathLike,
-    sharded_strategy: Union[LoadShardedStrategy, tuple[str, int], None] = None,
-    common_strategy: Union[LoadCommonStrategy, tuple[str, int], None] = None,
+    sharded_strategy: LoadShardedStrategy | tuple[str, int] | None = None,
+    common_strategy: LoadCommonStrategy | tuple[str, int] | None = None,
     validate_access_integrity: bool = True,
-    strict: Union[str, bool, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    strict: str | bool | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
     *,
     allow_pickle: bool = False,
-) -> Union[StateDict, tuple[StateDict, set[str], set[str]]]:
+) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load a checkpoint into the layout described by ``sharded_state_dict`` (collective).
 
     Any saved layout loads into any requested layout. ShardedTensor data is filled in place
@@ -326,7 +327,7 @@ def load_common_state_dict(checkpoint_dir: PathLike, *, allow_pickle: bool = Fal
 
 
 def load_tensors_metadata(
-    checkpoint_dir: PathLike, sharded_strategy: Optional[LoadShardedStrategy] = None
+    checkpoint_dir: PathLike, sharded_strategy: LoadShardedStrategy | None = None
 ) -> CkptShardedMetadata:
     """``{key: ShardedTensor}`` with meta-device data of the global shape and dtype."""
     reader = CheckpointReader(checkpoint_dir)
@@ -335,8 +336,8 @@ def load_tensors_metadata(
 
 def load_sharded_metadata(
     checkpoint_dir: PathLike,
-    sharded_strategy: Optional[LoadShardedStrategy] = None,
-    common_strategy: Optional[LoadCommonStrategy] = None,
+    sharded_strategy: LoadShardedStrategy | None = None,
+    common_strategy: LoadCommonStrategy | None = None,
 ) -> CkptShardedMetadata:
     """Like :func:`load_tensors_metadata`, plus ShardedObjects keyed by their unique key."""
     del common_strategy  # the index describes objects too; kept for API compatibility
@@ -358,8 +359,8 @@ def load_plain_tensors(checkpoint_dir: PathLike) -> StateDict:
 
 
 def load_content_metadata(
-    checkpoint_dir: Optional[PathLike] = None, *, preloaded_state_dict: Optional[StateDict] = None
-) -> Optional[dict]:
+    checkpoint_dir: PathLike | None = None, *, preloaded_state_dict: StateDict | None = None
+) -> dict | None:
     """The ``content_metadata`` given to ``save`` (None if there was none).
 
     Read from ``metadata.json`` (no unpickling), or from an already loaded state dict.

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import pickle
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from enum import Enum
-from typing import Any, Iterable, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ class StrictHandling(Enum):
         return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
 
 
-def parse_strict_flag(strict: Union[str, bool, StrictHandling]) -> StrictHandling:
+def parse_strict_flag(strict: str | bool | StrictHandling) -> StrictHandling:
     """Accept a :class:`StrictHandling`, its value or name (any case), or a bool as documented
     by Megatron-Core: ``True`` is ``ASSUME_OK_UNEXPECTED``, ``False`` is ``LOG_UNEXPECTED``."""
     if isinstance(strict, StrictHandling):

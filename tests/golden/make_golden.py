@@ -11,14 +11,13 @@ import socket
 import sys
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from golden_content import single_state, two_rank_state  # noqa: E402
-
 import distckpt  # noqa: E402
+
+from golden_content import single_state, two_rank_state  # noqa: E402
 
 
 def _two_rank_worker(rank: int, port: int, path: str) -> None:

@@ -12,7 +12,8 @@ Coordination uses a CPU (gloo) group even when training uses NCCL, and works wit
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -37,7 +38,7 @@ def _cpu_group(group: Any) -> Any:
 class Coordinator:
     """The ranks taking part in one collective save or load."""
 
-    def __init__(self, group: Optional[Any] = None) -> None:
+    def __init__(self, group: Any | None = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         if self.distributed:
             self.group = _cpu_group(group)
@@ -65,7 +66,7 @@ class Coordinator:
         The rank that failed re-raises its own exception (with its traceback); the others raise
         an error of the same distckpt type (or :class:`RemoteRankError`) naming that rank.
         """
-        local_error: Optional[BaseException] = None
+        local_error: BaseException | None = None
         try:
             payload: Any = ("ok", fn())
         except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -25,7 +25,6 @@ from ..planning.save_plan import ChunkWrite
 from ..planning.shards import ObjectShard
 from ..storage import Storage
 
-
 if sys.byteorder != "little":  # pragma: no cover - no big-endian machine runs torch today
     raise ImportError("distckpt format v1 stores little-endian bytes; this machine is big-endian")
 
@@ -37,7 +36,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         return memoryview(b"")
     if flat.stride(0) != 1:  # a single element may carry any stride; view(uint8) needs 1
         flat = flat.as_strided((1,), (1,))
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def chunk_name(key: str, box_offset: tuple[int, ...]) -> str:
@@ -129,16 +128,16 @@ def write_rank_files(
     object_records: list[tuple[str, ObjectEntry]] = []
     for name, blob, offset, crcs in (r for result in results for r in result):
         if blob.kind == "chunk":
-            write: ChunkWrite = blob.ref  # type: ignore[assignment]
+            chunk: ChunkWrite = blob.ref  # type: ignore[assignment]
             tensor_records.append(
-                (write.key, ChunkEntry(write.box.offset, write.box.shape, name, offset,
+                (chunk.key, ChunkEntry(chunk.box.offset, chunk.box.shape, name, offset,
                                        blob.entry.nbytes, crcs))
             )
         else:
-            shard: ObjectShard = blob.ref  # type: ignore[assignment]
+            obj: ObjectShard = blob.ref  # type: ignore[assignment]
             object_records.append(
-                (shard.unique_key, ObjectEntry(shard.key, shard.global_shape, shard.global_offset,
-                                               name, offset, blob.entry.nbytes, crcs))
+                (obj.unique_key, ObjectEntry(obj.key, obj.global_shape, obj.global_offset,
+                                             name, offset, blob.entry.nbytes, crcs))
             )
     return tensor_records, object_records
 
@@ -196,7 +195,7 @@ def execute_reads(
             return -len(view)  # negative marks a direct read
         length = read.read_stop - read.read_start
         buffer = torch.empty(length, dtype=torch.uint8)
-        view = memoryview(buffer.numpy()) if length else memoryview(b"")
+        view = memoryview(buffer.numpy()) if length else memoryview(b"")  # type: ignore[arg-type]
         _read_into(storage, read.key, chunk, chunk.data_offset + read.read_start, view)
         verify(read, view, read.read_start // block_bytes)
         first, last = read.rows
@@ -212,7 +211,7 @@ def execute_reads(
             if not chunk.shape:
                 dst_region(copy).copy_(src)
                 continue
-            index = (slice(copy.src_offset[0] - first, copy.src_offset[0] - first + copy.shape[0]),)
+            index: tuple[slice, ...] = (slice(copy.src_offset[0] - first, copy.src_offset[0] - first + copy.shape[0]),)
             index += tuple(slice(o, o + s) for o, s in zip(copy.src_offset[1:], copy.shape[1:]))
             dst_region(copy).copy_(src[index])
         return length

@@ -11,8 +11,9 @@ from __future__ import annotations
 import datetime
 import logging
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -107,8 +108,8 @@ def build_index(
             index.tensors[key].chunks.append(chunk)
         for unique_key, entry in object_records:
             index.objects[unique_key] = entry
-    for entry in index.tensors.values():
-        entry.chunks.sort(key=lambda c: c.offset)
+    for tensor in index.tensors.values():
+        tensor.chunks.sort(key=lambda c: c.offset)
     index.tensors = dict(sorted(index.tensors.items()))
     index.objects = dict(sorted(index.objects.items()))
     return index

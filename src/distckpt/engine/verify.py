@@ -13,7 +13,6 @@ from ..storage import Storage
 from .checkpoint import CheckpointReader
 
 
-
 @dataclass
 class VerifyReport:
     path: str

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from .. import checksum
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
@@ -35,7 +35,7 @@ class CheckpointMetadata:
     sharded_backend_version: int = 1
     common_backend: str = "torch"
     common_backend_version: int = 1
-    content_metadata: Optional[dict] = None
+    content_metadata: dict | None = None
     world_size: int = 1
     created: str = ""
     writer: str = ""

@@ -4,8 +4,8 @@ ranges to fetch. Pure: works on the index and plain shard descriptions."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from ..errors import CorruptCheckpointError
 from ..format.index import ChunkEntry, TensorEntry

@@ -6,8 +6,8 @@ so no plan has to be sent around.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from .boxes import Box
 from .shards import ObjectShard, TensorShard

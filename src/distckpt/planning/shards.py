@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from .boxes import Box, FlatPiece, flat_range_to_boxes
 
@@ -18,7 +17,7 @@ class TensorShard:
     itemsize: int
     global_shape: tuple[int, ...]
     box: Box
-    flat: Optional[tuple[int, int]] = None
+    flat: tuple[int, int] | None = None
     main: bool = True
     allow_shape_mismatch: bool = False
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 from ..errors import CheckpointingException, UnsupportedFormatError
 from ..mapping import CommonStateDict, ShardedStateDict, StateDict
@@ -43,7 +43,7 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int) -> 
         ) from None
 
 
-class _Strategy(ABC):
+class _Strategy(ABC):  # noqa: B024 - subclasses declare the abstract methods
     backend: str = ""
     version: int = 0
 
@@ -109,7 +109,7 @@ class LoadShardedStrategy(_Strategy):
 
     @abstractmethod
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any,
-             common_strategy: Optional[LoadCommonStrategy] = None) -> StateDict: ...
+             common_strategy: LoadCommonStrategy | None = None) -> StateDict: ...
 
     @abstractmethod
     def load_tensors_metadata(self, checkpoint_dir: Any) -> ShardedStateDict: ...

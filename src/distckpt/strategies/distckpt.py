@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
+from .. import checksum
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..engine.checkpoint import CheckpointReader
 from ..engine.load import load_objects, load_tensors
@@ -14,7 +15,6 @@ from ..format.dtypes import dtype_from_name
 from ..format.index import DEFAULT_BLOCK_BYTES, CheckpointIndex
 from ..format.metadata import METADATA_FILE, FileRef
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from .. import checksum
 from .base import LoadCommonStrategy, LoadShardedStrategy, SaveShardedStrategy
 from .torch_common import TorchLoadCommonStrategy
 
@@ -46,7 +46,7 @@ class DistCkptLoadShardedStrategy(LoadShardedStrategy):
         self,
         sharded_state_dict: ShardedStateDict,
         checkpoint_dir: Any,
-        common_strategy: Optional[LoadCommonStrategy] = None,
+        common_strategy: LoadCommonStrategy | None = None,
     ) -> StateDict:
         reader = _reader(checkpoint_dir)
         leaves = list(nested_values(sharded_state_dict))
