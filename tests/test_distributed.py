@@ -259,3 +259,38 @@ def test_harness_reports_unexpected_exceptions(dist):
 def _raise_on_rank_1():
     if tdist.get_rank() == 1:
         raise RuntimeError("boom")
+
+
+def save_with_set_in_common(path: str):
+    st = ShardedTensor.from_rank_offsets("w", torch.ones(2), (0, tdist.get_rank(), 2))
+    return expect_error(distckpt.save, {"w": st, "args": {"tags": {"alpha", "beta", "gamma", "delta"}}}, path)
+
+
+def test_equal_sets_in_common_state_agree_across_hash_seeds(dist, tmp_path):
+    # Workers share one hash seed here; the digest must not depend on it anyway.
+    from distckpt.validation import common_digests
+
+    assert common_digests({"s": {"alpha", "beta"}}) == common_digests({"s": {"beta", "alpha"}})
+    import subprocess
+    import sys
+
+    code = "from distckpt.validation import common_digests; print(common_digests({'s': {'alpha','beta','gamma'}}))"
+    outs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": str(seed)},
+                           capture_output=True, text=True, check=True).stdout for seed in (1, 2, 3)}
+    assert len(outs) == 1
+    assert dist.run(2, save_with_set_in_common, str(tmp_path)) == [None, None]
+
+
+def load_from_rank_specific_dir(paths: list):
+    rank = tdist.get_rank()
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 12), (0, rank, 2))}
+    return expect_error(distckpt.load, request, paths[rank], strict="raise_all")
+
+
+def test_ranks_reading_different_checkpoints_fail_together(dist, tmp_path):
+    # Simulates an overwrite committed between the ranks' reads of metadata.json.
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    dist.run(2, save_tp, a, 0)
+    dist.run(2, save_tp, b, 0)
+    outcomes = dist.run(2, load_from_rank_specific_dir, [a, b], timeout=60)
+    assert all(o is not None and o[0] == "ConcurrentModificationError" for o in outcomes)

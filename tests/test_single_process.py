@@ -515,12 +515,13 @@ def test_interrupted_overwrite_keeps_the_previous_checkpoint(ckpt, monkeypatch):
             raise OSError(5, "simulated crash before the commit marker")
         return original(self, name, data)
 
+    before = set(os.listdir(ckpt))
     monkeypatch.setattr(LocalStorage, "write_atomic", crash_before_commit)
     with pytest.raises(StorageError, match="simulated crash"):
         distckpt.save(model_state(torch.ones(8, 6)), ckpt, overwrite=True)
     monkeypatch.setattr(LocalStorage, "write_atomic", original)
-    # New data, index and common files exist, but the marker still names the old checkpoint.
-    assert len(glob.glob(str(ckpt / "data-*"))) == 2
+    # The failed save removed what it wrote; the marker still names the old checkpoint.
+    assert set(os.listdir(ckpt)) == before
     assert torch.equal(distckpt.load(request(), ckpt)["w"], values(torch.float32, (8, 6)))
     assert cli_main(["verify", str(ckpt)]) == 0
     distckpt.save(model_state(torch.ones(8, 6)), ckpt, overwrite=True)  # the retry succeeds
@@ -552,3 +553,40 @@ def test_overwrite_removes_every_file_of_the_replaced_checkpoint(tmp_path):
     reader = distckpt.engine.checkpoint.CheckpointReader(tmp_path)
     expected = set(reader.index.files) | {reader.metadata.index.file, reader.metadata.common.file, "metadata.json"}
     assert set(os.listdir(tmp_path)) == expected
+
+
+def test_unpicklable_common_state_fails_before_writing_and_names_the_key(ckpt):
+    import threading
+
+    before = set(os.listdir(ckpt))
+    state = model_state()
+    state["args"] = {"ok": 1, "lock": threading.Lock()}
+    with pytest.raises(CheckpointingException, match=r"\['args'\]\['lock'\].*LocalNonPersistentObject"):
+        distckpt.save(state, ckpt, overwrite=True)
+    assert set(os.listdir(ckpt)) == before
+    assert distckpt.load(request(), ckpt)["step"] == 7
+
+
+def test_load_into_parameters_and_conjugate_views(tmp_path):
+    distckpt.save({"w": [ShardedTensor.from_global_offset("w", torch.ones(2, 6), (4, 6), (0, 0)),
+                         ShardedTensor.from_global_offset("w", torch.full((2, 6), 2.0), (4, 6), (2, 0))],
+                   "c": ShardedTensor.from_rank_offsets("c", torch.tensor([1 + 2j, 3 - 1j]).conj())}, tmp_path)
+    param = torch.nn.Parameter(torch.zeros(4, 3))
+    out = distckpt.load({"w": ShardedTensor.from_rank_offsets("w", param, (1, 0, 2)),
+                         "c": ShardedTensor.from_rank_offsets("c", torch.zeros(2, dtype=torch.complex64))},
+                        tmp_path, validate_access_integrity=False)
+    assert out["w"] is param and torch.equal(param.detach(), torch.tensor([[1.0] * 3] * 2 + [[2.0] * 3] * 2))
+    assert torch.equal(out["c"], torch.tensor([1 - 2j, 3 + 1j]))
+
+
+def test_sharded_object_grid_mismatch_is_not_a_key_mismatch(tmp_path):
+    distckpt.save({"rng": ShardedObject("rng", 1, (1,), (0,))}, tmp_path)
+    req = {"rng": ShardedObject("rng", None, (2,), (0,))}
+    with pytest.raises(MismatchError, match="grid of shape"):
+        distckpt.load(req, tmp_path, strict="return_all", validate_access_integrity=False)
+
+
+def test_dimension_mismatch_is_named_even_with_allow_shape_mismatch(ckpt):
+    req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(48), allow_shape_mismatch=True)}
+    with pytest.raises(MismatchError, match="number of dimensions must match"):
+        distckpt.load(req, ckpt)

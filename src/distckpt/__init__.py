@@ -11,6 +11,7 @@ from .errors import (
     CheckpointingException,
     CheckpointNotFoundError,
     ChecksumError,
+    ConcurrentModificationError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     MismatchError,
@@ -75,4 +76,5 @@ __all__ = [
     "UnsafeCheckpointError",
     "StorageError",
     "RemoteRankError",
+    "ConcurrentModificationError",
 ]

@@ -59,6 +59,10 @@ class UnsafeCheckpointError(CheckpointingException):
     """Loading would need full pickle (arbitrary code execution) and the caller did not opt in."""
 
 
+class ConcurrentModificationError(CheckpointingException):
+    """The checkpoint changed (was overwritten) while it was being read."""
+
+
 class StorageError(CheckpointingException, OSError):
     """The storage backend failed to read or write bytes."""
 
@@ -81,6 +85,7 @@ __all__ = [
     "MissingKeyError",
     "ShardingValidationError",
     "UnsafeCheckpointError",
+    "ConcurrentModificationError",
     "StorageError",
     "RemoteRankError",
 ]

@@ -16,8 +16,15 @@ from .dict_utils import dict_list_map_inplace, extract_matching_values, merge, n
 from .engine.checkpoint import CheckpointReader
 from .engine.collective import Coordinator
 from .engine.io import write_rank_files
-from .engine.save import build_index, check_destination, commit, describe_local, new_save_id
-from .errors import CheckpointingException
+from .engine.save import (
+    build_index,
+    check_destination,
+    commit,
+    describe_local,
+    discard_save,
+    new_save_id,
+)
+from .errors import CheckpointingException, ConcurrentModificationError
 from .format.dtypes import dtype_name, itemsize
 from .format.metadata import CheckpointMetadata
 from .mapping import (
@@ -132,7 +139,9 @@ def save(
             [x for x in leaves if isinstance(x, ShardedObject)],
             common_saver.serialize,
         )
-        local["shards"], local["common"] = shards, common
+        local["shards"] = shards
+        # Serialized up front: an unpicklable common state fails before any data is written.
+        local["common_bytes"] = common_saver.serialize(common) if coordinator.is_coordinator else b""
         digests = None
         if validate_access_integrity:
             checked = common
@@ -168,7 +177,7 @@ def save(
             sharded_saver.thread_count,
         )
 
-    written = coordinator.exchange("writing data", write)
+    written: list = []
 
     def finish() -> None:
         if coordinator.is_coordinator:
@@ -176,14 +185,19 @@ def save(
                 storage,
                 save_id,
                 build_index(all_tensors, written, block_bytes),
-                common_saver.serialize(local["common"]),
+                local["common_bytes"],
                 content_metadata=content_metadata,
                 world_size=coordinator.world_size,
                 sharded_backend=(sharded_saver.backend, sharded_saver.version),
                 common_backend=(common_saver.backend, common_saver.version),
             )
 
-    coordinator.exchange("commit", finish)
+    try:
+        written[:] = coordinator.exchange("writing data", write)
+        coordinator.exchange("commit", finish)
+    except Exception:
+        discard_save(storage, save_id, coordinator.rank, coordinator.is_coordinator)
+        raise
 
 
 def load(
@@ -244,7 +258,7 @@ def load(
         local_keys = {_key_of(x) for x in leaves}
         unexpected: set[str] = set()
         if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
-            checkpoint_keys = set(reader.index.tensors) | set(reader.index.objects)
+            checkpoint_keys = _checkpoint_keys(reader)
             _, unexpected = determine_missing_and_unexpected_keys(checkpoint_keys, local_keys)
             handle_mismatch(strict, set(), unexpected, reader.path)
             if unexpected:
@@ -263,15 +277,22 @@ def load(
             unexpected=unexpected,
         )
         descriptors = _describe_request(leaves) if validate_access_integrity else None
-        return (local_keys if need_global_keys else None), descriptors
+        return (local_keys if need_global_keys else None), descriptors, reader.metadata.save_id
 
     gathered = coordinator.exchange("load preparation", prepare)
     missing: set[str] = set()
     reader: CheckpointReader = local["reader"]
+    save_ids = {g[2] for g in gathered}
+    if len(save_ids) > 1:
+        # An overwrite committed while the ranks were opening the checkpoint.
+        raise ConcurrentModificationError(
+            f"{reader.path}: ranks opened different checkpoints ({sorted(save_ids)}): it was "
+            "overwritten during the load; load again"
+        )
     if need_global_keys:
         requested = set().union(*(g[0] for g in gathered))
         missing, _ = determine_missing_and_unexpected_keys(
-            set(reader.index.tensors) | set(reader.index.objects), (), requested
+            _checkpoint_keys(reader), (), requested
         )
         handle_mismatch(strict, missing, set(), reader.path)
     if validate_access_integrity:
@@ -295,7 +316,13 @@ def load(
 
 
 def _key_of(x: ShardedBase) -> str:
-    return x.unique_key if isinstance(x, ShardedObject) else x.key
+    """The key strict handling compares: for ShardedObjects the base key, as in Megatron, so a
+    grid of another shape is reported as such rather than as missing and unexpected keys."""
+    return x.key
+
+
+def _checkpoint_keys(reader: CheckpointReader) -> set[str]:
+    return set(reader.index.tensors) | {o.key for o in reader.index.objects.values()}
 
 
 def _describe_request(leaves: list) -> tuple[list[TensorShard], list[ObjectShard]]:

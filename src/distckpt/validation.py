@@ -212,6 +212,10 @@ def common_digests(common: Any) -> dict[str, int]:
         elif isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
             for i, v in enumerate(x):
                 visit(v, f"{path}[{i}]")
+        elif isinstance(x, (set, frozenset)):
+            # Pickled sets follow the per-process hash seed: compare their sorted element digests.
+            parts = sorted(common_digests({"e": e})["e"] for e in x)
+            out[path] = checksum.crc32c(repr((type(x).__name__, parts)).encode())
         elif isinstance(x, torch.Tensor):
             t = x.detach().cpu().contiguous()
             head = f"{t.dtype}{tuple(t.shape)}".encode()

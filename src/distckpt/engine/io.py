@@ -31,7 +31,7 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian machine runs t
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor in row-major order, without a copy when it is contiguous."""
-    flat = tensor.detach().reshape(-1).contiguous()
+    flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1).contiguous()
     if flat.numel() == 0:
         return memoryview(b"")
     if flat.stride(0) != 1:  # a single element may carry any stride; view(uint8) needs 1
@@ -77,7 +77,9 @@ def write_rank_files(
         data = shard_data[write.shard_index]
         flat = flat_cache.get(write.shard_index)
         if flat is None:
-            flat = flat_cache[write.shard_index] = data.detach().reshape(-1).contiguous()
+            flat = flat_cache[write.shard_index] = (
+                data.detach().resolve_conj().resolve_neg().reshape(-1).contiguous()
+            )
         piece = flat[write.data_start : write.data_start + write.box.volume]
         view = tensor_bytes(piece)
         entry = Entry(chunk_name(write.key, write.box.offset), safetensors_code(data.dtype),

@@ -28,8 +28,14 @@ def check_request(reader: CheckpointReader, st: ShardedTensor) -> None:
             f"{reader.path}: tensor {st.key!r} was saved as {entry.dtype} but is requested as "
             f"{str(st.dtype).replace('torch.', '')}; request the saved dtype and cast after loading"
         )
+    if len(entry.shape) != len(st.global_shape):
+        raise MismatchError(
+            f"{reader.path}: tensor {st.key!r} was saved with {len(entry.shape)} dimensions "
+            f"{entry.shape} but is requested with {len(st.global_shape)} {st.global_shape}; the "
+            "number of dimensions must match (check prepend_axis_num and the model configuration)"
+        )
     if entry.shape != st.global_shape:
-        if not st.allow_shape_mismatch or len(entry.shape) != len(st.global_shape):
+        if not st.allow_shape_mismatch:
             raise MismatchError(
                 f"{reader.path}: tensor {st.key!r} was saved with global shape {entry.shape} but "
                 f"is requested with {st.global_shape}; fix the model configuration, or set "
@@ -63,7 +69,7 @@ def load_tensors(
         data = st.data
         assert data is not None
         if data.device.type == "cpu" and data.is_contiguous():
-            destination = data
+            destination = data.detach()  # same memory; in-place copies into Parameters are fine
         else:
             destination = data.detach().to("cpu", copy=True).contiguous()
             write_back.append((data, destination))

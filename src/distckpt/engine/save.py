@@ -54,7 +54,7 @@ def describe_local(
                 f"ShardedTensor {st.key!r} has no data to save (data is "
                 f"{'None' if st.data is None else 'on the meta device'})"
             )
-        data = st.data.detach()
+        data = st.data.detach().resolve_conj().resolve_neg()
         if data.device.type != "cpu":
             data = data.to("cpu")
         local.tensors.append(
@@ -70,7 +70,10 @@ def describe_local(
         )
         local.tensor_data.append(data)
     for obj in sharded_objects:
-        raw = serialize(obj.data)
+        try:
+            raw = serialize(obj.data)
+        except CheckpointingException as exc:
+            raise CheckpointingException(f"ShardedObject {obj.unique_key!r}: {exc}") from exc
         local.objects.append(
             ObjectShard(obj.unique_key, obj.key, obj.global_shape, obj.global_offset, len(raw),
                         is_main_replica(obj.replica_id))
@@ -154,8 +157,32 @@ def commit(
     storage.write_atomic(METADATA_FILE, metadata.to_json())
     keep = set(index.files) | {index_ref.file, common_ref.file, METADATA_FILE}
     for name in previous - keep:
-        storage.delete(name)
+        try:
+            storage.delete(name)
+        except OSError as exc:  # the new checkpoint is committed; leftovers only cost space
+            logger.warning("could not remove %s of the replaced checkpoint: %s", name, exc)
     return metadata
+
+
+def discard_save(storage: Storage, save_id: str | None, rank: int, is_coordinator: bool) -> None:
+    """Best-effort removal of the files a failed save wrote (never of a committed checkpoint):
+    each rank removes its data files, the coordinator the index and common state."""
+    if save_id is None:
+        return
+    try:
+        if storage.exists(METADATA_FILE) and read_metadata(storage).save_id == save_id:
+            return  # the commit marker was written: this save is the checkpoint now
+    except (CheckpointingException, OSError):
+        pass
+    prefixes = [f"data-{save_id}-r{rank:05d}-"]
+    if is_coordinator:
+        prefixes += [f"index-{save_id}", f"common-{save_id}"]
+    try:
+        for name in storage.list():
+            if name.startswith(tuple(prefixes)):
+                storage.delete(name)
+    except OSError as exc:
+        logger.warning("could not remove the files of the failed save %s: %s", save_id, exc)
 
 
 def _previous_files(storage: Storage) -> set[str]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointingException, CorruptCheckpointError, UnsafeCheckpointError
 from ..mapping import CommonStateDict
 from .base import LoadCommonStrategy, SaveCommonStrategy
 
@@ -20,8 +20,26 @@ class TorchSaveCommonStrategy(SaveCommonStrategy):
 
     def serialize(self, obj: Any) -> bytes:
         buffer = io.BytesIO()
-        torch.save(obj, buffer)
+        try:
+            torch.save(obj, buffer)
+        except Exception as exc:  # noqa: BLE001 - pickling can fail with any error type
+            raise CheckpointingException(
+                f"cannot serialize {_culprit(obj)} with torch.save: {type(exc).__name__}: {exc}; "
+                "keep only picklable values (tensors, numbers, strings, containers) in the state, "
+                "or wrap live objects in LocalNonPersistentObject"
+            ) from exc
         return buffer.getvalue()
+
+
+def _culprit(obj: Any, path: str = "") -> str:
+    """Name the first leaf that does not pickle (the error path only)."""
+    children = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in children:
+        try:
+            pickle.dumps(value)
+        except Exception:  # noqa: BLE001
+            return _culprit(value, f"{path}[{key!r}]")
+    return f"the value at {path}" if path else "the value"
 
 
 class TorchLoadCommonStrategy(LoadCommonStrategy):
