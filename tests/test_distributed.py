@@ -201,7 +201,7 @@ def test_missing_key_on_one_rank_fails_every_rank(dist, tmp_path):
 
 
 def save_with_write_failure_on_rank(path: str, failing_rank: int):
-    import distckpt.serialization as serialization
+    import distckpt.engine.save_job as serialization
 
     rank = tdist.get_rank()
     original = serialization.write_rank_files

@@ -15,17 +15,10 @@ from typing import Any, Union
 from .dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
 from .engine.checkpoint import CheckpointReader
 from .engine.collective import Coordinator
-from .engine.io import write_rank_files
-from .engine.save import (
-    build_index,
-    check_destination,
-    commit,
-    describe_local,
-    discard_save,
-    new_save_id,
-)
+from .engine.save_job import SaveOptions, prepare_save
 from .errors import CheckpointingException, ConcurrentModificationError
 from .format.dtypes import dtype_name, itemsize
+from .format.index import DEFAULT_BLOCK_BYTES
 from .format.metadata import CheckpointMetadata
 from .mapping import (
     CommonStateDict,
@@ -41,11 +34,9 @@ from .mapping import (
     is_main_replica,
 )
 from .planning.boxes import Box
-from .planning.save_plan import plan_save
 from .planning.shards import ObjectShard, TensorShard
 from .storage import Storage, open_storage
 from .strategies import (
-    DistCkptSaveShardedStrategy,
     LoadCommonStrategy,
     LoadShardedStrategy,
     SaveCommonStrategy,
@@ -54,13 +45,12 @@ from .strategies import (
     TorchLoadCommonStrategy,
     get_default_strategy,
 )
+from .strategies.async_utils import AsyncRequest
 from .validation import (
     StrictHandling,
-    common_digests,
     determine_missing_and_unexpected_keys,
     handle_mismatch,
     parse_strict_flag,
-    validate_common_consistency,
     validate_sharding_integrity,
 )
 
@@ -82,7 +72,7 @@ def save(
     content_metadata: dict | None = None,
     *,
     overwrite: bool = False,
-) -> None:
+) -> AsyncRequest | None:
     """Save a sharded state dict (collective).
 
     Steps, as in Megatron-Core: apply factories; drop LocalNonPersistentObjects; extract the
@@ -98,7 +88,11 @@ def save(
         common_strategy: a :class:`SaveCommonStrategy` or ``(backend, version)``.
         validate_access_integrity: check that every element of every tensor is covered by
             exactly one main replica and that the common state is equal on all ranks.
-        async_sharded_save: not available in this release (raises).
+        async_sharded_save: stage this rank's data into reusable host buffers (the only part
+            the caller waits for) and return an :class:`AsyncRequest`; schedule it on an
+            :class:`~distckpt.strategies.async_utils.AsyncCallsQueue`, whose
+            ``maybe_finalize_async_calls`` commits the checkpoint (collectively) once every
+            rank's writes finished. Tensors may be modified as soon as ``save`` returns.
         preprocess_common_before_consistancy_check: maps the common state before the
             cross-rank equality check (e.g. to drop keys expected to differ); must not modify
             its argument.
@@ -107,22 +101,28 @@ def save(
         overwrite: replace a checkpoint already in ``checkpoint_dir``. The old one stays
             loadable until the new one is committed.
 
+    Returns:
+        ``None``, or the :class:`AsyncRequest` of an async save.
+
     Raises:
         CheckpointExistsError: ``checkpoint_dir`` holds a checkpoint and ``overwrite`` is False.
         ShardingValidationError: the shards or the common state are inconsistent.
     """
-    if async_sharded_save:
-        raise CheckpointingException(
-            "async_sharded_save=True is not available in this release of distckpt; save with "
-            "async_sharded_save=False"
-        )
     sharded_saver: SaveShardedStrategy = _resolve(StrategyAction.SAVE_SHARDED, sharded_strategy, ("distckpt", 1))
     common_saver: SaveCommonStrategy = _resolve(StrategyAction.SAVE_COMMON, common_strategy, ("torch", 1))
-    storage = open_storage(checkpoint_dir)
-    coordinator = Coordinator()
-    local: dict[str, Any] = {}
+    options = SaveOptions(
+        validate_access_integrity=validate_access_integrity,
+        preprocess_common=preprocess_common_before_consistancy_check,
+        content_metadata=content_metadata,
+        overwrite=overwrite,
+        block_bytes=getattr(sharded_saver, "block_bytes", DEFAULT_BLOCK_BYTES),
+        thread_count=sharded_saver.thread_count,
+        sharded_backend=(sharded_saver.backend, sharded_saver.version),
+        common_backend=(common_saver.backend, common_saver.version),
+    )
 
-    def prepare() -> tuple:
+    def collect() -> tuple:
+        # Megatron's steps 1-5: factories, drop non-persistent objects, split sharded/common.
         apply_factories(sharded_state_dict)
         _, state = extract_matching_values(
             sharded_state_dict, lambda x: isinstance(x, LocalNonPersistentObject)
@@ -134,70 +134,41 @@ def save(
             _check_json(content_metadata)
             common[_CONTENT_METADATA_KEY] = content_metadata
         leaves = list(nested_values(sharded_part)) if sharded_part else []
-        shards = describe_local(
+        return (
             [x for x in leaves if isinstance(x, ShardedTensor)],
             [x for x in leaves if isinstance(x, ShardedObject)],
-            common_saver.serialize,
-        )
-        local["shards"] = shards
-        # Serialized up front: an unpicklable common state fails before any data is written.
-        local["common_bytes"] = common_saver.serialize(common) if coordinator.is_coordinator else b""
-        digests = None
-        if validate_access_integrity:
-            checked = common
-            if preprocess_common_before_consistancy_check is not None:
-                checked = preprocess_common_before_consistancy_check(common)
-            digests = common_digests(checked)
-        save_id = None
-        if coordinator.is_coordinator:
-            check_destination(storage, overwrite)
-            save_id = new_save_id()
-        return shards.tensors, shards.objects, digests, save_id
-
-    gathered = coordinator.exchange("save preparation", prepare)
-    all_tensors = [g[0] for g in gathered]
-    all_objects = [g[1] for g in gathered]
-    save_id = gathered[0][3]
-    if validate_access_integrity:
-        validate_sharding_integrity(all_tensors, all_objects)
-        validate_common_consistency([g[2] for g in gathered])
-    plans = plan_save(all_tensors, all_objects)
-    block_bytes = getattr(sharded_saver, "block_bytes", DistCkptSaveShardedStrategy().block_bytes)
-
-    def write() -> tuple:
-        shards = local["shards"]
-        plan = plans[coordinator.rank]
-        return write_rank_files(
-            storage,
-            f"data-{save_id}-r{coordinator.rank:05d}",
-            plan.chunks,
-            shards.tensor_data,
-            [(shards.objects[i], shards.object_bytes[i]) for i in plan.objects],
-            block_bytes,
-            sharded_saver.thread_count,
+            common,
         )
 
-    written: list = []
+    job = prepare_save(
+        open_storage(checkpoint_dir), Coordinator(), collect, common_saver.serialize, options
+    )
+    if not async_sharded_save:
+        job.finalize(job.write)
+        return None
 
-    def finish() -> None:
-        if coordinator.is_coordinator:
-            commit(
-                storage,
-                save_id,
-                build_index(all_tensors, written, block_bytes),
-                local["common_bytes"],
-                content_metadata=content_metadata,
-                world_size=coordinator.world_size,
-                sharded_backend=(sharded_saver.backend, sharded_saver.version),
-                common_backend=(common_saver.backend, common_saver.version),
-            )
-
+    # Async: the caller waits only for the copy into host buffers; writing happens when the
+    # request is scheduled, and finalize (collective) commits or raises on every rank.
+    outcome: dict[str, Any] = {}
     try:
-        written[:] = coordinator.exchange("writing data", write)
-        coordinator.exchange("commit", finish)
-    except Exception:
-        discard_save(storage, save_id, coordinator.rank, coordinator.is_coordinator)
-        raise
+        job.stage()
+    except Exception as exc:  # noqa: BLE001 - reported on every rank at finalize
+        outcome["error"] = exc
+
+    def write_in_background() -> None:
+        if "error" in outcome:
+            return
+        try:
+            outcome["records"] = job.write()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank at finalize
+            outcome["error"] = exc
+
+    def result() -> tuple:
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["records"]
+
+    return AsyncRequest(write_in_background, (), [lambda: job.finalize(result)])
 
 
 def load(
