@@ -294,3 +294,32 @@ def test_ranks_reading_different_checkpoints_fail_together(dist, tmp_path):
     dist.run(2, save_tp, b, 0)
     outcomes = dist.run(2, load_from_rank_specific_dir, [a, b], timeout=60)
     assert all(o is not None and o[0] == "ConcurrentModificationError" for o in outcomes)
+
+
+def load_twice_recording_steps(path: str) -> list:
+    from distckpt.engine import collective
+
+    steps: list = []
+    original = collective.Coordinator.exchange
+
+    def spy(self, step, fn):
+        steps.append(step)
+        return original(self, step, fn)
+
+    collective.Coordinator.exchange = spy
+    try:
+        runs = []
+        for _ in range(2):
+            steps.clear()
+            assert load_tp(path, 1)
+            runs.append(list(steps))
+        return runs
+    finally:
+        collective.Coordinator.exchange = original
+
+
+def test_repeated_load_skips_the_validation_gather(dist, tmp_path):
+    dist.run(2, save_tp, str(tmp_path), 0)
+    first, second = dist.run(2, load_twice_recording_steps, str(tmp_path))[0]
+    assert first == ["load preparation", "load validation", "loading"]
+    assert second == ["load preparation", "loading"]

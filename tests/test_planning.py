@@ -139,7 +139,28 @@ def test_load_tensors_stages_non_contiguous_destinations(tmp_path):
     class Reader:  # the parts of CheckpointReader that load_tensors uses
         pass
 
+    from types import SimpleNamespace
+
     reader = Reader()
     reader.index, reader.storage, reader.path = index, storage, "mem"
+    reader.metadata = SimpleNamespace(save_id="x", index=SimpleNamespace(crc32c=0))
     load_tensors(reader, [request])
     assert torch.equal(destination, full)
+
+
+def test_adjacent_chunks_are_read_in_one_request():
+    storage = MemoryStorage()
+    fulls = {f"t{i:02d}": torch.arange(32, dtype=torch.float32).reshape(4, 8) + 100 * i for i in range(20)}
+    locals_ = describe_local([make_sharded(k, v, ((0, 0), (4, 8), None, 0)) for k, v in fulls.items()], [], bytes)
+    plans = plan_save([locals_.tensors])
+    written = [write_rank_files(storage, "data-x-r0", plans[0].chunks, locals_.tensor_data, [], 1 << 20)]
+    index = build_index([locals_.tensors], written, 1 << 20)
+    # Column halves: no chunk lines up with its destination, so every read is buffered.
+    requests = [make_sharded(k, v, ((0, 4), (4, 4), None, 0), empty=True) for k, v in fulls.items()]
+    shards, _ = _describe_request(requests)
+    reads = plan_reads(shards, index.tensors, index.block_bytes)
+    stats = execute_reads(storage, reads, [r.data for r in requests], [r.dtype for r in requests], index.block_bytes)
+    assert stats.requests == 1 and stats.coalesced_reads == 19 and stats.chunks_read == 20
+    assert stats.bytes_read == 20 * 4 * 8 * 4
+    for request, full in zip(requests, fulls.values()):
+        assert torch.equal(request.data, full[:, 4:])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -57,6 +58,8 @@ from .validation import (
 logger = logging.getLogger(__name__)
 
 _CONTENT_METADATA_KEY = "content_metadata"
+# Request layouts that passed validate_access_integrity, with the id all ranks agreed on then.
+_VALIDATED_REQUESTS: dict[tuple, str] = {}
 CkptShardedMetadata = dict[str, Any]
 PathLike = Union[str, "os.PathLike[str]", "Storage"]
 
@@ -247,8 +250,15 @@ def load(
             sharded_part=sharded_part,
             unexpected=unexpected,
         )
-        descriptors = _describe_request(leaves) if validate_access_integrity else None
-        return (local_keys if need_global_keys else None), descriptors, reader.metadata.save_id
+        validated_id = None
+        if validate_access_integrity:
+            local["descriptors"] = _describe_request(leaves)
+            local["request_key"] = (coordinator.world_size, coordinator.rank) + tuple(
+                map(tuple, local["descriptors"])
+            )
+            validated_id = _VALIDATED_REQUESTS.get(local["request_key"])
+        proposal = uuid.uuid4().hex if coordinator.is_coordinator else None
+        return (local_keys if need_global_keys else None), validated_id, reader.metadata.save_id, proposal
 
     gathered = coordinator.exchange("load preparation", prepare)
     missing: set[str] = set()
@@ -266,8 +276,15 @@ def load(
             _checkpoint_keys(reader), (), requested
         )
         handle_mismatch(strict, missing, set(), reader.path)
-    if validate_access_integrity:
-        validate_sharding_integrity([g[1][0] for g in gathered], [g[1][1] for g in gathered])
+    validated_ids = {g[1] for g in gathered}
+    if validate_access_integrity and (None in validated_ids or len(validated_ids) > 1):
+        # A request layout not validated before on every rank: gather and check it. Requests
+        # repeated unchanged (e.g. every resume of a job) skip this all-gather.
+        described = coordinator.exchange("load validation", lambda: local["descriptors"])
+        validate_sharding_integrity([d[0] for d in described], [d[1] for d in described])
+        _VALIDATED_REQUESTS[local["request_key"]] = gathered[0][3]
+        while len(_VALIDATED_REQUESTS) > 8:
+            _VALIDATED_REQUESTS.pop(next(iter(_VALIDATED_REQUESTS)))
 
     def read() -> None:
         if local["sharded_part"]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -144,11 +145,17 @@ def write_rank_files(
     return tensor_records, object_records
 
 
+# Adjacent byte ranges are merged into one read up to this size.
+MAX_COALESCED_BYTES = 64 << 20
+
+
 @dataclass
 class ReadStats:
     bytes_read: int = 0
     chunks_read: int = 0
+    requests: int = 0
     direct_reads: int = 0
+    coalesced_reads: int = 0
 
 
 def execute_reads(
@@ -186,28 +193,20 @@ def execute_reads(
                 "file): the file is corrupt; restore it from a copy or load another checkpoint"
             )
 
-    def run(read: ChunkRead) -> int:
+    def scatter(read: ChunkRead, buffer: torch.Tensor) -> None:
+        """Verify and copy out ``buffer``, the bytes [read_start, read_stop) of the chunk."""
         chunk = read.chunk
         dtype = dtypes[read.copies[0].request]
-        region = dst_region(read.copies[0]) if read.whole_chunk_to_contiguous_dst else None
-        if region is not None and region.is_contiguous():
-            view = tensor_bytes(region)
-            _read_into(storage, read.key, chunk, chunk.data_offset, view)
-            verify(read, view, 0)
-            return -len(view)  # negative marks a direct read
-        length = read.read_stop - read.read_start
-        buffer = torch.empty(length, dtype=torch.uint8)
-        view = memoryview(buffer.numpy()) if length else memoryview(b"")  # type: ignore[arg-type]
-        _read_into(storage, read.key, chunk, chunk.data_offset + read.read_start, view)
+        view = memoryview(buffer.numpy()) if buffer.numel() else memoryview(b"")  # type: ignore[arg-type]
         verify(read, view, read.read_start // block_bytes)
         first, last = read.rows
         if chunk.shape:
             row_bytes = math.prod(chunk.shape[1:]) * read.itemsize
             base = first * row_bytes - read.read_start
-            src = buffer[base : base + (last - first) * row_bytes].view(dtype)
+            src = _as_dtype(buffer[base : base + (last - first) * row_bytes], dtype)
             src = src.view((last - first,) + chunk.shape[1:])
         else:
-            src = buffer.view(dtype).view(())
+            src = _as_dtype(buffer, dtype).view(())
             first = 0
         for copy in read.copies:
             if not chunk.shape:
@@ -216,18 +215,78 @@ def execute_reads(
             index: tuple[slice, ...] = (slice(copy.src_offset[0] - first, copy.src_offset[0] - first + copy.shape[0]),)
             index += tuple(slice(o, o + s) for o, s in zip(copy.src_offset[1:], copy.shape[1:]))
             dst_region(copy).copy_(src[index])
-        return length
 
-    if thread_count <= 1 or len(reads) <= 1:
-        sizes = [run(r) for r in reads]
+    def run_direct(read: ChunkRead, region: torch.Tensor) -> int:
+        view = tensor_bytes(region)
+        _read_into(storage, read.key, read.chunk, read.chunk.data_offset, view)
+        verify(read, view, 0)
+        return len(view)
+
+    def run_group(group: list[ChunkRead]) -> int:
+        """One ranged read for chunks stored back to back, then scatter to each of them."""
+        start = group[0].chunk.data_offset + group[0].read_start
+        end = group[-1].chunk.data_offset + group[-1].read_stop
+        buffer = torch.empty(end - start, dtype=torch.uint8)
+        if end > start:
+            view = memoryview(buffer.numpy())  # type: ignore[arg-type]
+            _read_into(storage, _keys(group), group[0].chunk, start, view)
+        for read in group:
+            offset = read.chunk.data_offset + read.read_start - start
+            scatter(read, buffer[offset : offset + read.read_stop - read.read_start])
+        return end - start
+
+    # Direct reads where a chunk lines up with its destination; the other reads are coalesced
+    # into one request per run of adjacent byte ranges of a file.
+    tasks: list[Callable[[], int]] = []
+    group: list[ChunkRead] = []
+    group_bytes = 0
+
+    def flush() -> None:
+        nonlocal group, group_bytes
+        if group:
+            tasks.append(partial(run_group, group))
+            stats.coalesced_reads += len(group) - 1
+        group, group_bytes = [], 0
+
+    for read in reads:
+        region = dst_region(read.copies[0]) if read.whole_chunk_to_contiguous_dst else None
+        if region is not None and region.is_contiguous():
+            tasks.append(partial(run_direct, read, region))
+            stats.direct_reads += 1
+            continue
+        size = read.read_stop - read.read_start
+        if group and (
+            read.chunk.file != group[-1].chunk.file
+            or read.chunk.data_offset + read.read_start != group[-1].chunk.data_offset + group[-1].read_stop
+            or group_bytes + size > MAX_COALESCED_BYTES
+        ):
+            flush()
+        group.append(read)
+        group_bytes += size
+    flush()
+
+    if thread_count <= 1 or len(tasks) <= 1:
+        sizes = [task() for task in tasks]
     else:
         with ThreadPoolExecutor(thread_count, thread_name_prefix="distckpt-read") as pool:
-            sizes = list(pool.map(run, reads))
-    for size in sizes:
-        stats.bytes_read += abs(size)
-        stats.chunks_read += 1
-        stats.direct_reads += size < 0
+            sizes = list(pool.map(lambda task: task(), tasks))
+    stats.bytes_read = sum(sizes)
+    stats.chunks_read = len(reads)
+    stats.requests = len(tasks)
     return stats
+
+
+def _as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """View bytes as ``dtype``; chunks packed after odd-sized ones may be misaligned in a
+    coalesced buffer, and are then copied to an aligned one."""
+    if raw.storage_offset() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype)
+
+
+def _keys(group: list[ChunkRead]) -> str:
+    more = f" (and {len(group) - 1} more chunks)" if len(group) > 1 else ""
+    return f"{group[0].key}{more}"
 
 
 def _read_into(storage: Storage, key: str, chunk: ChunkEntry, offset: int, view: memoryview) -> None:

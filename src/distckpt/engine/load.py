@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -12,7 +14,7 @@ from ..format.dtypes import dtype_from_name, itemsize
 from ..format.index import CheckpointIndex
 from ..mapping import ShardedObject, ShardedTensor
 from ..planning.boxes import Box
-from ..planning.load_plan import plan_reads
+from ..planning.load_plan import ChunkRead, plan_reads
 from ..planning.shards import TensorShard
 from .checkpoint import CheckpointReader
 from .io import ReadStats, execute_reads
@@ -85,12 +87,33 @@ def load_tensors(
         )
         destinations.append(destination)
         dtypes.append(st.dtype)
-    reads = plan_reads(requests, index.tensors, index.block_bytes)
+    reads = _planned_reads(reader, requests)
     stats = execute_reads(reader.storage, reads, destinations, dtypes, index.block_bytes, thread_count)
     for original, staged in write_back:
         with torch.no_grad():
             original.copy_(staged)
     return stats
+
+
+# Read plans of recent (checkpoint, request layout) pairs: repeated loads skip planning.
+_READ_PLANS: "OrderedDict[tuple, list[ChunkRead]]" = OrderedDict()
+_READ_PLANS_SIZE = 8
+_READ_PLANS_LOCK = threading.Lock()
+
+
+def _planned_reads(reader: CheckpointReader, requests: list[TensorShard]) -> list[ChunkRead]:
+    meta = reader.metadata
+    key = (reader.storage.root, meta.save_id, meta.index.crc32c, tuple(requests))
+    with _READ_PLANS_LOCK:
+        cached = _READ_PLANS.get(key)
+    if cached is not None:
+        return cached
+    reads = plan_reads(requests, reader.index.tensors, reader.index.block_bytes)
+    with _READ_PLANS_LOCK:
+        _READ_PLANS[key] = reads
+        while len(_READ_PLANS) > _READ_PLANS_SIZE:
+            _READ_PLANS.popitem(last=False)
+    return reads
 
 
 def load_objects(
