@@ -323,3 +323,48 @@ def test_repeated_load_skips_the_validation_gather(dist, tmp_path):
     first, second = dist.run(2, load_twice_recording_steps, str(tmp_path))[0]
     assert first == ["load preparation", "load validation", "loading"]
     assert second == ["load preparation", "loading"]
+
+
+# --- fully parallel load --------------------------------------------------------------------
+
+def save_many(path: str) -> None:
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    state = {f"t{i}": ShardedTensor.from_rank_offsets(
+        f"t{i}", torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)[rank * 64 // world:(rank + 1) * 64 // world] + i,
+        (0, rank, world)) for i in range(6)}
+    distckpt.save(state, path)
+
+
+def load_replicated(path: str, fully_parallel: bool):
+    from distckpt.strategies import DistCkptLoadShardedStrategy
+
+    rank = tdist.get_rank()
+    strategy = DistCkptLoadShardedStrategy(thread_count=2, fully_parallel=fully_parallel)
+    request = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.zeros(64, 32), replica_id=rank) for i in range(6)}
+    try:
+        out = distckpt.load(request, path, sharded_strategy=strategy)
+    except distckpt.CheckpointingException as exc:
+        return type(exc).__name__, str(exc)
+    ok = all(torch.equal(out[f"t{i}"], torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32) + i) for i in range(6))
+    return ok, strategy.last_bytes
+
+
+def test_fully_parallel_load_reads_each_byte_once(dist, tmp_path):
+    dist.run(4, save_many, str(tmp_path))
+    total = 6 * 64 * 32 * 4
+    plain = dist.run(4, load_replicated, str(tmp_path), False)
+    assert all(ok for ok, _ in plain) and all(b["read"] == total for _, b in plain)
+    parallel = dist.run(4, load_replicated, str(tmp_path), True)
+    assert all(ok for ok, _ in parallel)
+    assert sum(b["read"] for _, b in parallel) == total  # storage read once in all
+    assert all(b["read"] <= total / 2 and b["read"] + b["received"] == total for _, b in parallel)
+
+
+def test_fully_parallel_load_reports_corruption_on_every_rank(dist, tmp_path):
+    dist.run(2, save_many, str(tmp_path))
+    victim = sorted(f for f in os.listdir(tmp_path) if f.startswith("data-"))[0]
+    with open(tmp_path / victim, "r+b") as f:
+        f.seek(os.path.getsize(tmp_path / victim) - 5)
+        f.write(b"\x00\xff")
+    outcomes = dist.run(4, load_replicated, str(tmp_path), True)
+    assert all(o[0] == "ChecksumError" and victim in o[1] for o in outcomes)

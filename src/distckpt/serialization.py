@@ -292,7 +292,14 @@ def load(
                 local["sharded_part"], reader, local["common_loader"]
             )
 
-    coordinator.exchange("loading", read)
+    sharded = local["sharded"]
+    if getattr(sharded, "collective", False) and coordinator.world_size > 1:
+        # The strategy runs its own exchanges (e.g. fully parallel load); every rank calls it.
+        local["loaded"] = sharded.load(
+            local["sharded_part"] or {}, reader, local["common_loader"], coordinator=coordinator
+        )
+    else:
+        coordinator.exchange("loading", read)
     result = local["common"]
     merge(result, local["nonpersistent"])
     if "loaded" in local:

@@ -158,6 +158,144 @@ class ReadStats:
     coalesced_reads: int = 0
 
 
+class ChunkFiller:
+    """Fills destination tensors from chunk bytes: reads them (directly into a destination
+    where a chunk lines up with it), verifies their checksums and copies them out."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        destinations: Sequence[torch.Tensor],
+        dtypes: Sequence[torch.dtype],
+        block_bytes: int,
+    ) -> None:
+        self.storage = storage
+        self.flats = [d.reshape(-1) for d in destinations]
+        self.dtypes = dtypes
+        self.block_bytes = block_bytes
+
+    def dst_region(self, copy: Copy) -> torch.Tensor:
+        view_numel = math.prod(copy.dst_view_shape)
+        view = self.flats[copy.request][copy.dst_flat_start : copy.dst_flat_start + view_numel]
+        view = view.view(copy.dst_view_shape)
+        return view[tuple(slice(o, o + s) for o, s in zip(copy.dst_offset, copy.shape))]
+
+    def direct_region(self, read: ChunkRead) -> torch.Tensor | None:
+        """The destination memory the whole chunk can be read into, if there is one."""
+        if not read.whole_chunk_to_contiguous_dst:
+            return None
+        region = self.dst_region(read.copies[0])
+        return region if region.is_contiguous() else None
+
+    def verify(self, read: ChunkRead, data: memoryview, first_block: int) -> None:
+        chunk = read.chunk
+        block_bytes = self.block_bytes
+        bad = checksum.first_mismatch(data, block_bytes, chunk.crc32c[first_block:])
+        if bad is not None:
+            block = first_block + bad
+            raise ChecksumError(
+                f"{self.storage.describe(chunk.file)}: checksum mismatch in tensor {read.key!r}, chunk "
+                f"at offset {list(chunk.offset)} (bytes {chunk.data_offset + block * block_bytes}"
+                f"..{chunk.data_offset + min(chunk.nbytes, (block + 1) * block_bytes)} of the "
+                "file): the file is corrupt; restore it from a copy or load another checkpoint"
+            )
+
+    def read_span(self, read: ChunkRead) -> torch.Tensor:
+        """Bytes [read_start, read_stop) of the chunk, verified."""
+        buffer = torch.empty(read.read_stop - read.read_start, dtype=torch.uint8)
+        if buffer.numel():
+            view = memoryview(buffer.numpy())  # type: ignore[arg-type]
+            _read_into(self.storage, read.key, read.chunk, read.chunk.data_offset + read.read_start, view)
+            self.verify(read, view, read.read_start // self.block_bytes)
+        return buffer
+
+    def scatter(self, read: ChunkRead, buffer: torch.Tensor, verified: bool = False) -> None:
+        """Copy ``buffer`` (bytes [read_start, read_stop) of the chunk) to the destinations."""
+        chunk = read.chunk
+        dtype = self.dtypes[read.copies[0].request]
+        if not verified and buffer.numel():
+            self.verify(read, memoryview(buffer.numpy()), read.read_start // self.block_bytes)  # type: ignore[arg-type]
+        first, last = read.rows
+        if chunk.shape:
+            row_bytes = math.prod(chunk.shape[1:]) * read.itemsize
+            base = first * row_bytes - read.read_start
+            src = _as_dtype(buffer[base : base + (last - first) * row_bytes], dtype)
+            src = src.view((last - first,) + chunk.shape[1:])
+        else:
+            src = _as_dtype(buffer, dtype).view(())
+            first = 0
+        for copy in read.copies:
+            if not chunk.shape:
+                self.dst_region(copy).copy_(src)
+                continue
+            index: tuple[slice, ...] = (slice(copy.src_offset[0] - first, copy.src_offset[0] - first + copy.shape[0]),)
+            index += tuple(slice(o, o + s) for o, s in zip(copy.src_offset[1:], copy.shape[1:]))
+            self.dst_region(copy).copy_(src[index])
+
+    def run_direct(self, read: ChunkRead, region: torch.Tensor) -> int:
+        view = tensor_bytes(region)
+        _read_into(self.storage, read.key, read.chunk, read.chunk.data_offset, view)
+        self.verify(read, view, 0)
+        return len(view)
+
+    def run_group(self, group: list[ChunkRead]) -> int:
+        """One ranged read for chunks stored back to back, then scatter to each of them."""
+        start = group[0].chunk.data_offset + group[0].read_start
+        end = group[-1].chunk.data_offset + group[-1].read_stop
+        buffer = torch.empty(end - start, dtype=torch.uint8)
+        if end > start:
+            view = memoryview(buffer.numpy())  # type: ignore[arg-type]
+            _read_into(self.storage, _keys(group), group[0].chunk, start, view)
+        for read in group:
+            offset = read.chunk.data_offset + read.read_start - start
+            self.scatter(read, buffer[offset : offset + read.read_stop - read.read_start])
+        return end - start
+
+    def run(self, reads: Sequence[ChunkRead], thread_count: int = 1) -> ReadStats:
+        """Perform ``reads``: direct reads where a chunk lines up with its destination, the
+        others coalesced into one request per run of adjacent byte ranges of a file."""
+        stats = ReadStats()
+        tasks: list[Callable[[], int]] = []
+        group: list[ChunkRead] = []
+        group_bytes = 0
+
+        def flush() -> None:
+            nonlocal group, group_bytes
+            if group:
+                tasks.append(partial(self.run_group, group))
+                stats.coalesced_reads += len(group) - 1
+            group, group_bytes = [], 0
+
+        for read in reads:
+            region = self.direct_region(read)
+            if region is not None:
+                tasks.append(partial(self.run_direct, read, region))
+                stats.direct_reads += 1
+                continue
+            size = read.read_stop - read.read_start
+            if group and (
+                read.chunk.file != group[-1].chunk.file
+                or read.chunk.data_offset + read.read_start != group[-1].chunk.data_offset + group[-1].read_stop
+                or group_bytes + size > MAX_COALESCED_BYTES
+            ):
+                flush()
+            group.append(read)
+            group_bytes += size
+        flush()
+        sizes = run_tasks(tasks, thread_count, "distckpt-read")
+        stats.bytes_read = sum(sizes)
+        stats.chunks_read = len(reads)
+        stats.requests = len(tasks)
+        return stats
+
+
+def run_tasks(tasks: Sequence[Callable[[], int]], thread_count: int, name: str) -> list[int]:
+    if thread_count <= 1 or len(tasks) <= 1:
+        return [task() for task in tasks]
+    with ThreadPoolExecutor(thread_count, thread_name_prefix=name) as pool:
+        return list(pool.map(lambda task: task(), tasks))
+
+
 def execute_reads(
     storage: Storage,
     reads: Sequence[ChunkRead],
@@ -171,109 +309,7 @@ def execute_reads(
     Raises :class:`ChecksumError` naming the file, tensor and chunk when bytes do not match
     their recorded crc32c.
     """
-    flats = [d.reshape(-1) for d in destinations]
-    stats = ReadStats()
-
-    def dst_region(copy: Copy) -> torch.Tensor:
-        view_numel = math.prod(copy.dst_view_shape)
-        view = flats[copy.request][copy.dst_flat_start : copy.dst_flat_start + view_numel]
-        view = view.view(copy.dst_view_shape)
-        return view[tuple(slice(o, o + s) for o, s in zip(copy.dst_offset, copy.shape))]
-
-    def verify(read: ChunkRead, data: memoryview, first_block: int) -> None:
-        chunk = read.chunk
-        expected = chunk.crc32c[first_block:]
-        bad = checksum.first_mismatch(data, block_bytes, expected)
-        if bad is not None:
-            block = first_block + bad
-            raise ChecksumError(
-                f"{storage.describe(chunk.file)}: checksum mismatch in tensor {read.key!r}, chunk "
-                f"at offset {list(chunk.offset)} (bytes {chunk.data_offset + block * block_bytes}"
-                f"..{chunk.data_offset + min(chunk.nbytes, (block + 1) * block_bytes)} of the "
-                "file): the file is corrupt; restore it from a copy or load another checkpoint"
-            )
-
-    def scatter(read: ChunkRead, buffer: torch.Tensor) -> None:
-        """Verify and copy out ``buffer``, the bytes [read_start, read_stop) of the chunk."""
-        chunk = read.chunk
-        dtype = dtypes[read.copies[0].request]
-        view = memoryview(buffer.numpy()) if buffer.numel() else memoryview(b"")  # type: ignore[arg-type]
-        verify(read, view, read.read_start // block_bytes)
-        first, last = read.rows
-        if chunk.shape:
-            row_bytes = math.prod(chunk.shape[1:]) * read.itemsize
-            base = first * row_bytes - read.read_start
-            src = _as_dtype(buffer[base : base + (last - first) * row_bytes], dtype)
-            src = src.view((last - first,) + chunk.shape[1:])
-        else:
-            src = _as_dtype(buffer, dtype).view(())
-            first = 0
-        for copy in read.copies:
-            if not chunk.shape:
-                dst_region(copy).copy_(src)
-                continue
-            index: tuple[slice, ...] = (slice(copy.src_offset[0] - first, copy.src_offset[0] - first + copy.shape[0]),)
-            index += tuple(slice(o, o + s) for o, s in zip(copy.src_offset[1:], copy.shape[1:]))
-            dst_region(copy).copy_(src[index])
-
-    def run_direct(read: ChunkRead, region: torch.Tensor) -> int:
-        view = tensor_bytes(region)
-        _read_into(storage, read.key, read.chunk, read.chunk.data_offset, view)
-        verify(read, view, 0)
-        return len(view)
-
-    def run_group(group: list[ChunkRead]) -> int:
-        """One ranged read for chunks stored back to back, then scatter to each of them."""
-        start = group[0].chunk.data_offset + group[0].read_start
-        end = group[-1].chunk.data_offset + group[-1].read_stop
-        buffer = torch.empty(end - start, dtype=torch.uint8)
-        if end > start:
-            view = memoryview(buffer.numpy())  # type: ignore[arg-type]
-            _read_into(storage, _keys(group), group[0].chunk, start, view)
-        for read in group:
-            offset = read.chunk.data_offset + read.read_start - start
-            scatter(read, buffer[offset : offset + read.read_stop - read.read_start])
-        return end - start
-
-    # Direct reads where a chunk lines up with its destination; the other reads are coalesced
-    # into one request per run of adjacent byte ranges of a file.
-    tasks: list[Callable[[], int]] = []
-    group: list[ChunkRead] = []
-    group_bytes = 0
-
-    def flush() -> None:
-        nonlocal group, group_bytes
-        if group:
-            tasks.append(partial(run_group, group))
-            stats.coalesced_reads += len(group) - 1
-        group, group_bytes = [], 0
-
-    for read in reads:
-        region = dst_region(read.copies[0]) if read.whole_chunk_to_contiguous_dst else None
-        if region is not None and region.is_contiguous():
-            tasks.append(partial(run_direct, read, region))
-            stats.direct_reads += 1
-            continue
-        size = read.read_stop - read.read_start
-        if group and (
-            read.chunk.file != group[-1].chunk.file
-            or read.chunk.data_offset + read.read_start != group[-1].chunk.data_offset + group[-1].read_stop
-            or group_bytes + size > MAX_COALESCED_BYTES
-        ):
-            flush()
-        group.append(read)
-        group_bytes += size
-    flush()
-
-    if thread_count <= 1 or len(tasks) <= 1:
-        sizes = [task() for task in tasks]
-    else:
-        with ThreadPoolExecutor(thread_count, thread_name_prefix="distckpt-read") as pool:
-            sizes = list(pool.map(lambda task: task(), tasks))
-    stats.bytes_read = sum(sizes)
-    stats.chunks_read = len(reads)
-    stats.requests = len(tasks)
-    return stats
+    return ChunkFiller(storage, destinations, dtypes, block_bytes).run(reads, thread_count)
 
 
 def _as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +18,7 @@ from ..planning.boxes import Box
 from ..planning.load_plan import ChunkRead, plan_reads
 from ..planning.shards import TensorShard
 from .checkpoint import CheckpointReader
-from .io import ReadStats, execute_reads
+from .io import ChunkFiller, ReadStats
 
 
 def check_request(reader: CheckpointReader, st: ShardedTensor) -> None:
@@ -55,10 +56,23 @@ def missing_key_message(reader: CheckpointReader, kind: str, key: str) -> str:
     )
 
 
-def load_tensors(
-    reader: CheckpointReader, sharded_tensors: Sequence[ShardedTensor], thread_count: int = 1
-) -> ReadStats:
-    """Fill each ``ShardedTensor.data`` in place (allocating it on CPU if it is None or meta)."""
+@dataclass
+class TensorLoad:
+    """The planned load of this rank's ShardedTensors: reads, and where their bytes go."""
+
+    reads: list[ChunkRead]
+    filler: ChunkFiller
+    write_back: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def finish(self) -> None:
+        """Copy staged destinations back into tensors that could not be filled in place."""
+        for original, staged in self.write_back:
+            with torch.no_grad():
+                original.copy_(staged)
+
+
+def plan_tensor_load(reader: CheckpointReader, sharded_tensors: Sequence[ShardedTensor]) -> TensorLoad:
+    """Check the requests, allocate missing data (on CPU) and plan the reads."""
     index = reader.index
     requests: list[TensorShard] = []
     destinations: list[torch.Tensor] = []
@@ -87,11 +101,17 @@ def load_tensors(
         )
         destinations.append(destination)
         dtypes.append(st.dtype)
-    reads = _planned_reads(reader, requests)
-    stats = execute_reads(reader.storage, reads, destinations, dtypes, index.block_bytes, thread_count)
-    for original, staged in write_back:
-        with torch.no_grad():
-            original.copy_(staged)
+    filler = ChunkFiller(reader.storage, destinations, dtypes, index.block_bytes)
+    return TensorLoad(_planned_reads(reader, requests), filler, write_back)
+
+
+def load_tensors(
+    reader: CheckpointReader, sharded_tensors: Sequence[ShardedTensor], thread_count: int = 1
+) -> ReadStats:
+    """Fill each ``ShardedTensor.data`` in place (allocating it on CPU if it is None or meta)."""
+    planned = plan_tensor_load(reader, sharded_tensors)
+    stats = planned.filler.run(planned.reads, thread_count)
+    planned.finish()
     return stats
 
 

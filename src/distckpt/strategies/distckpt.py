@@ -9,7 +9,9 @@ import torch
 from .. import checksum
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..engine.checkpoint import CheckpointReader
+from ..engine.collective import Coordinator
 from ..engine.load import load_objects, load_tensors
+from ..engine.parallel_load import load_fully_parallel
 from ..engine.save import new_save_id
 from ..format.dtypes import dtype_from_name
 from ..format.index import DEFAULT_BLOCK_BYTES, CheckpointIndex
@@ -37,24 +39,47 @@ class DistCkptSaveShardedStrategy(SaveShardedStrategy):
 
 
 class DistCkptLoadShardedStrategy(LoadShardedStrategy):
-    """Reads only the byte ranges this rank needs, ``thread_count`` reads at a time."""
+    """Reads only the byte ranges this rank needs, ``thread_count`` reads at a time.
+
+    With ``fully_parallel=True`` (and more than one rank), bytes needed by several ranks (e.g.
+    data-parallel replicas) are read from storage once, by one of them, and sent to the others
+    over the process group; the load is then collective (``serialization.load`` handles it).
+    """
 
     backend = "distckpt"
     version = 1
+
+    def __init__(self, thread_count: int = 1, fully_parallel: bool = False) -> None:
+        super().__init__(thread_count)
+        self.fully_parallel = fully_parallel
+        self.last_bytes: dict[str, int] = {}
+
+    @property
+    def collective(self) -> bool:
+        """Whether :meth:`load` must be called on every rank with a coordinator."""
+        return self.fully_parallel
 
     def load(
         self,
         sharded_state_dict: ShardedStateDict,
         checkpoint_dir: Any,
         common_strategy: LoadCommonStrategy | None = None,
+        coordinator: Coordinator | None = None,
     ) -> StateDict:
         reader = _reader(checkpoint_dir)
-        leaves = list(nested_values(sharded_state_dict))
+        leaves = list(nested_values(sharded_state_dict)) if sharded_state_dict else []
         tensors = [x for x in leaves if isinstance(x, ShardedTensor)]
         objects = [x for x in leaves if isinstance(x, ShardedObject)]
-        load_tensors(reader, tensors, self.thread_count)
         deserialize = (common_strategy or TorchLoadCommonStrategy()).deserialize
-        payloads = {id(o): p for o, p in zip(objects, load_objects(reader, objects, deserialize))}
+        if self.fully_parallel and coordinator is not None and coordinator.world_size > 1:
+            loaded, self.last_bytes = load_fully_parallel(
+                coordinator, reader, tensors, objects, deserialize, self.thread_count
+            )
+        else:
+            stats = load_tensors(reader, tensors, self.thread_count)
+            loaded = load_objects(reader, objects, deserialize)
+            self.last_bytes = {"read": stats.bytes_read, "received": 0}
+        payloads = {id(o): p for o, p in zip(objects, loaded)}
 
         def value(x: Any) -> Any:
             if isinstance(x, ShardedTensor):
