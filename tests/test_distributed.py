@@ -297,8 +297,10 @@ def test_ranks_reading_different_checkpoints_fail_together(dist, tmp_path):
 
 
 def load_twice_recording_steps(path: str) -> list:
+    from distckpt import serialization
     from distckpt.engine import collective
 
+    serialization._VALIDATED_REQUESTS.clear()  # workers are reused: forget earlier tests' loads
     steps: list = []
     original = collective.Coordinator.exchange
 
