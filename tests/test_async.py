@@ -189,3 +189,37 @@ def test_plan_cache_is_used_only_when_every_rank_is_unchanged(dist, tmp_path):
     assert dist.run(2, save_with_layout, path, -1) == [True, True]
     assert dist.run(2, save_with_layout, path, 1) == [False, False]  # rank 1 changed: all replan
     assert all(dist.run(2, load_and_check, path, 1.0))
+
+
+def async_save_with_stuck_writer(path: str, stuck_rank: int):
+    import threading
+
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    release = threading.Event()
+    original = save_job.write_rank_files
+    if rank == stuck_rank:
+        def stuck(*args, **kwargs):
+            release.wait(30)  # a storage call that never returns (released after the test)
+            return original(*args, **kwargs)
+        save_job.write_rank_files = stuck
+    try:
+        req = distckpt.save(state(5.0, rank, world), path, async_sharded_save=True, overwrite=True)
+        queue = AsyncCallsQueue(timeout=2.0)
+        queue.schedule_async_request(req)
+        try:
+            queue.maybe_finalize_async_calls(blocking=True)
+            return None
+        except distckpt.CheckpointingException as exc:
+            return type(exc).__name__, str(exc)
+        finally:
+            release.set()
+            queue.close(abort=True)
+    finally:
+        save_job.write_rank_files = original
+
+
+def test_stuck_background_writer_fails_every_rank_instead_of_hanging(dist, tmp_path):
+    outcomes = dist.run(2, async_save_with_stuck_writer, str(tmp_path), 1, timeout=60)
+    assert all(o is not None and o[0] == "StorageError" for o in outcomes)
+    assert "did not finish in time" in outcomes[1][1] and "rank 1" in outcomes[0][1]
+    assert not (tmp_path / "metadata.json").exists()

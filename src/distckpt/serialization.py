@@ -17,7 +17,7 @@ from .dict_utils import dict_list_map_inplace, extract_matching_values, merge, n
 from .engine.checkpoint import CheckpointReader
 from .engine.collective import Coordinator
 from .engine.save_job import SaveOptions, prepare_save
-from .errors import CheckpointingException, ConcurrentModificationError
+from .errors import CheckpointingException, ConcurrentModificationError, StorageError
 from .format.dtypes import dtype_name, itemsize
 from .format.index import DEFAULT_BLOCK_BYTES
 from .format.metadata import CheckpointMetadata
@@ -169,6 +169,11 @@ def save(
     def result() -> tuple:
         if "error" in outcome:
             raise outcome["error"]
+        if "records" not in outcome:
+            raise StorageError(
+                f"{job.storage.root}: the background write of this rank did not finish in time "
+                "(stuck storage?); the checkpoint was not committed"
+            )
         return outcome["records"]
 
     return AsyncRequest(write_in_background, (), [lambda: job.finalize(result)])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -69,13 +70,17 @@ class AsyncCallsQueue:
     collectively, oldest first.
 
     ``persistent`` is accepted for Megatron compatibility; the worker thread always persists
-    across requests (a thread costs nothing to keep).
+    across requests (a thread costs nothing to keep). With ``timeout`` (seconds), a request
+    whose background part has not finished that long after it was scheduled is finalized
+    anyway: distckpt's finalize then raises on every rank (a stuck writer must not hang the
+    job) and the checkpoint is not committed.
     """
 
-    def __init__(self, persistent: bool = True) -> None:
+    def __init__(self, persistent: bool = True, timeout: float | None = None) -> None:
         self.persistent = persistent
+        self.timeout = timeout
         self._executor: ThreadPoolExecutor | None = None
-        self._pending: list[tuple[int, AsyncRequest, Future]] = []
+        self._pending: list[tuple[int, AsyncRequest, Future, float]] = []
         self._next_idx = 0
         self._lock = threading.Lock()
 
@@ -93,7 +98,7 @@ class AsyncCallsQueue:
             future = Future()
             future.set_result(None)
         with self._lock:
-            self._pending.append((request.call_idx, request, future))
+            self._pending.append((request.call_idx, request, future, time.monotonic()))
         return request.call_idx
 
     def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> list[int]:
@@ -108,10 +113,12 @@ class AsyncCallsQueue:
             with self._lock:
                 if not self._pending:
                     break
-                call_idx, request, future = self._pending[0]
+                call_idx, request, future, started = self._pending[0]
             if blocking:
-                _wait(future)
-            done = future.done()
+                remaining = None if self.timeout is None else max(0.0, started + self.timeout - time.monotonic())
+                _wait(future, remaining)
+            expired = self.timeout is not None and time.monotonic() > started + self.timeout
+            done = future.done() or expired
             if coordinator is not None and coordinator.distributed and coordinator.world_size > 1:
                 flag = torch.tensor([int(done)], dtype=torch.int32)
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=coordinator.group)
@@ -120,7 +127,7 @@ class AsyncCallsQueue:
                 break
             with self._lock:
                 self._pending.pop(0)
-            error = future.exception()
+            error = future.exception() if future.done() else None
             if error is not None:
                 # A user-built request failed in the background; distckpt's own requests carry
                 # their errors into the collective finalize functions instead.
@@ -143,8 +150,8 @@ class AsyncCallsQueue:
             self._executor = None
 
 
-def _wait(future: Future) -> None:
+def _wait(future: Future, timeout: float | None) -> None:
     try:
-        future.result()
-    except BaseException:  # noqa: BLE001 - reported by maybe_finalize_async_calls
+        future.result(timeout=timeout)
+    except BaseException:  # noqa: BLE001 - errors and timeouts are reported at finalization
         pass
