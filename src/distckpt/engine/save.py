@@ -46,7 +46,7 @@ def describe_local(
     sharded_objects: Sequence[ShardedObject],
     serialize: Callable[[Any], bytes],
 ) -> LocalShards:
-    """Describe this rank's shards; tensors on other devices are copied to host memory."""
+    """Describe this rank's shards (no data is copied here)."""
     local = LocalShards()
     for st in sharded_tensors:
         if st.data is None or st.data.device.type == "meta":
@@ -54,9 +54,8 @@ def describe_local(
                 f"ShardedTensor {st.key!r} has no data to save (data is "
                 f"{'None' if st.data is None else 'on the meta device'})"
             )
+        # Stays on its device: only the chunks this rank writes are copied to host, later.
         data = st.data.detach().resolve_conj().resolve_neg()
-        if data.device.type != "cpu":
-            data = data.to("cpu")
         local.tensors.append(
             TensorShard(
                 st.key,

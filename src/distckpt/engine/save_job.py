@@ -87,6 +87,8 @@ class SaveJob:
     def write(self) -> tuple:
         """Write this rank's data files; returns the index records."""
         rank = self.coordinator.rank
+        if self.staged is None and any(t.device.type != "cpu" for t in self.shards.tensor_data):
+            self.stage()  # device tensors: copy the chunks to (pinned) host memory first
         if self.staged is not None:
             chunks, data = self.staged.chunks, self.staged.tensors
         else:
