@@ -146,7 +146,7 @@ def write_rank_files(
 
 
 # Adjacent byte ranges are merged into one read up to this size.
-MAX_COALESCED_BYTES = 64 << 20
+MAX_COALESCED_BYTES = 8 << 20  # bounds the scratch memory of a load
 
 
 @dataclass
