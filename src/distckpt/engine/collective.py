@@ -60,8 +60,28 @@ class Coordinator:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def exchange(self, step: str, fn: Callable[[], Any]) -> list[Any]:
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on the coordinator (``None`` elsewhere)."""
+        if not self.distributed or self.world_size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0) if self.group else 0,
+                           group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """The coordinator's ``obj`` on every rank."""
+        if not self.distributed or self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                   group=self.group)
+        return box[0]
+
+    def exchange(self, step: str, fn: Callable[[], Any], to_coordinator: bool = False) -> list[Any]:
         """Run ``fn`` here, then gather every rank's result; raise on every rank if any failed.
+
+        With ``to_coordinator`` only the coordinator receives the results (others get ``[]``).
 
         The rank that failed re-raises its own exception (with its traceback); the others raise
         an error of the same distckpt type (or :class:`RemoteRankError`) naming that rank.
@@ -76,10 +96,21 @@ class Coordinator:
                 local_error = errors.StorageError(f"rank {self.rank} failed during {step}: {exc}")
                 local_error.__cause__ = exc
             payload = ("error", type(local_error).__name__, str(exc))
-        results = self.all_gather(payload)
-        failures = [(rank, r) for rank, r in enumerate(results) if r[0] == "error"]
-        if not failures:
-            return [r[1] for r in results]
+        if to_coordinator:
+            # Only the coordinator needs the results (e.g. write records for the index): gather
+            # them there and broadcast just the verdict, instead of sending everything to all.
+            gathered = self.gather(payload)
+            verdict = None
+            if gathered is not None:
+                verdict = [(rank, r) for rank, r in enumerate(gathered) if r[0] == "error"]
+            failures = self.broadcast(verdict)
+            if not failures:
+                return [r[1] for r in gathered] if gathered is not None else []
+        else:
+            results = self.all_gather(payload)
+            failures = [(rank, r) for rank, r in enumerate(results) if r[0] == "error"]
+            if not failures:
+                return [r[1] for r in results]
         if local_error is not None:
             raise local_error
         rank, (_, type_name, message) = failures[0]

@@ -109,7 +109,7 @@ class SaveJob:
         raises the write's error), then commit; on any failure remove this save's files."""
         coordinator = self.coordinator
         try:
-            written = coordinator.exchange("writing data", outcome)
+            written = coordinator.exchange("writing data", outcome, to_coordinator=True)
 
             def commit_here() -> None:
                 if coordinator.is_coordinator:
