@@ -399,7 +399,8 @@ def render_section_body(args, samples: Samples, facts: dict, table: str, referen
     shapes = ", ".join(f"{n} × [{s['shape'][0]}, {s['shape'][1]}]" for n, s in facts["shapes"].items())
     return "\n".join([
         BEGIN,
-        f"Command: `{facts['command']}` — {facts['date']}, distckpt commit `{facts['commit']}`"
+        f"Command: `{facts['command']}` — {facts['date']}, distckpt commit `{facts['commit']}` "
+        f"(`src/` last changed in `{facts['src_commit']}`)"
         f"{' (with uncommitted changes)' if facts['dirty'] else ''}.",
         "",
         f"Machine: {facts['nproc']} CPUs ({facts['cpu']}), {facts['ram_gib']:.0f} GiB RAM, "
@@ -478,6 +479,7 @@ def machine_facts(args) -> dict:
         "command": " ".join(["python", "benchmarks/bench.py", *sys.argv[1:]]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": run(["git", "rev-parse", "--short", args.commit or "HEAD"]),
+        "src_commit": run(["git", "log", "-1", "--format=%h", args.commit or "HEAD", "--", "src"]),
         "dirty": not args.commit and bool(run(["git", "status", "--porcelain", "--", "src"])),
         "nproc": os.cpu_count(),
         "cpu": cpu,
