@@ -50,9 +50,9 @@ def fresh(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("which", ["fresh", "single", "two_ranks"])
+@pytest.mark.parametrize("which", ["fresh", "v1/single", "v1/two_ranks", "v2/single", "v2/two_ranks", "v2/grid"])
 def test_documents_match_the_schemas(which, fresh):
-    path = fresh if which == "fresh" else os.path.join(GOLDEN, which)
+    path = fresh if which == "fresh" else os.path.join(os.path.dirname(GOLDEN), which)
     meta, index = checkpoint_documents(path)
     schema("metadata.schema.json").validate(meta)
     schema("index.schema.json").validate(index)
@@ -62,7 +62,8 @@ def test_schemas_reject_path_traversal_and_wrong_versions(fresh):
     meta, index = checkpoint_documents(fresh)
     bad_index = dict(index, files=["../outside.safetensors"])
     assert not schema("index.schema.json").is_valid(bad_index)
-    assert not schema("metadata.schema.json").is_valid(dict(meta, version=2))
+    assert not schema("metadata.schema.json").is_valid(dict(meta, version=3))
+    assert not schema("index.schema.json").is_valid(dict(index, version=3))
 
 
 def _mutations():

@@ -1,9 +1,10 @@
-"""Golden checkpoints of format v1 committed under tests/golden/v1 must stay readable, and the
-writer must keep producing the same bytes for the same input."""
+"""Golden checkpoints committed under tests/golden/v<version> (format versions 1 and 2) must stay
+readable, and the writer must keep producing the same data-file bytes for the same input."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import sys
 
@@ -16,12 +17,14 @@ from distckpt.cli import main as cli_main
 from distckpt.engine.verify import verify_checkpoint
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v1")
+GOLDENS = {version: os.path.join(os.path.dirname(__file__), "golden", f"v{version}") for version in (1, 2)}
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "golden"))
-from golden_content import DTYPES, NORM, OPT, W, single_state, value  # noqa: E402
+from golden_content import DTYPES, G_SHARDS, NORM, OPT, G, W, grid_state, single_state, value  # noqa: E402
 
 
-def test_single_golden_loads_bit_exact():
-    path = os.path.join(GOLDEN, "single")
+@pytest.mark.parametrize("version", [1, 2])
+def test_single_golden_loads_bit_exact(version):
+    path = os.path.join(GOLDENS[version], "single")
     loaded = distckpt.load(single_state(empty=True), path)
     for name in DTYPES:
         assert loaded[name].dtype == value(name).dtype
@@ -38,10 +41,25 @@ def test_writer_output_is_byte_stable(tmp_path):
     (golden,) = glob.glob(os.path.join(GOLDEN, "single", "data-*.safetensors"))
     with open(fresh, "rb") as a, open(golden, "rb") as b:
         assert a.read() == b.read()
+    (golden_v2,) = glob.glob(os.path.join(GOLDENS[2], "single", "data-*.safetensors"))
+    with open(golden_v2, "rb") as b:  # format version 2 changed only the index
+        assert open(fresh, "rb").read() == b.read()
 
 
-def test_two_rank_golden_on_one_process():
-    path = os.path.join(GOLDEN, "two_ranks")
+def test_writer_index_is_byte_stable(tmp_path):
+    distckpt.save(grid_state(empty=False), tmp_path, content_metadata={"golden": "grid"})
+    golden = os.path.join(GOLDENS[2], "grid")
+    fresh_id = distckpt.engine.checkpoint.CheckpointReader(tmp_path).metadata.save_id
+    golden_id = distckpt.engine.checkpoint.CheckpointReader(golden).metadata.save_id
+    (fresh,) = glob.glob(str(tmp_path / "index-*.json"))
+    (expected,) = glob.glob(os.path.join(golden, "index-*.json"))
+    with open(fresh) as a, open(expected) as b:
+        assert a.read().replace(fresh_id, golden_id) == b.read()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_two_rank_golden_on_one_process(version):
+    path = os.path.join(GOLDENS[version], "two_ranks")
     plain = distckpt.load_plain_tensors(path)
     assert torch.equal(plain["w"], W) and torch.equal(plain["opt"], OPT) and torch.equal(plain["norm"], NORM)
     assert distckpt.load_common_state_dict(path) == {"iteration": 20, "content_metadata": {"golden": "two_ranks"}}
@@ -69,12 +87,32 @@ def load_two_rank_golden_as_columns(path: str) -> bool:
     )
 
 
-def test_two_rank_golden_resharded_to_three_ranks(dist):
-    assert dist.run(3, load_two_rank_golden_as_columns, os.path.join(GOLDEN, "two_ranks")) == [True] * 3
+@pytest.mark.parametrize("version", [1, 2])
+def test_two_rank_golden_resharded_to_three_ranks(dist, version):
+    path = os.path.join(GOLDENS[version], "two_ranks")
+    assert dist.run(3, load_two_rank_golden_as_columns, path) == [True] * 3
 
 
-@pytest.mark.parametrize("name", ["single", "two_ranks"])
-def test_golden_metadata_fields(name):
-    reader = distckpt.engine.checkpoint.CheckpointReader(os.path.join(GOLDEN, name))
-    assert reader.metadata.version == 1 and reader.metadata.format == "distckpt"
-    assert reader.metadata.world_size == (1 if name == "single" else 2)
+@pytest.mark.parametrize("version,name", [(1, "single"), (1, "two_ranks"), (2, "single"), (2, "two_ranks"),
+                                          (2, "grid")])
+def test_golden_metadata_fields(version, name):
+    reader = distckpt.engine.checkpoint.CheckpointReader(os.path.join(GOLDENS[version], name))
+    assert reader.metadata.version == version and reader.metadata.format == "distckpt"
+    assert reader.metadata.world_size == (2 if name == "two_ranks" else 1)
+    with open(os.path.join(reader.path, reader.metadata.index.file)) as f:
+        assert json.load(f)["version"] == version
+
+
+def test_grid_golden_loads_in_other_layouts():
+    path = os.path.join(GOLDENS[2], "grid")
+    entry = distckpt.engine.checkpoint.CheckpointReader(path).index.tensors["g"]
+    assert entry.grid is not None and entry.num_chunks == G_SHARDS
+    assert torch.equal(distckpt.load_plain_tensors(path)["g"], G)
+    loaded = distckpt.load(grid_state(empty=True), path)  # the saved layout
+    assert torch.equal(torch.cat([t for t in loaded["g"]]), G)
+    columns = {"g": [distckpt.ShardedTensor.from_global_offset("g", torch.zeros(70, 1), (70, 3), (0, c))
+                     for c in range(3)]}
+    loaded = distckpt.load(columns, path)
+    assert torch.equal(torch.cat(loaded["g"], dim=1), G)
+    assert distckpt.load_content_metadata(path) == {"golden": "grid"}
+    assert verify_checkpoint(path).ok and cli_main(["verify", path]) == 0

@@ -101,7 +101,7 @@ def test_data_files_are_valid_safetensors(ckpt):
 
 def test_metadata_json_is_the_commit_marker(ckpt):
     meta = json.loads((ckpt / "metadata.json").read_text())
-    assert meta["format"] == "distckpt" and meta["version"] == 1
+    assert meta["format"] == "distckpt" and meta["version"] == 2
     assert meta["sharded_backend"] == "distckpt" and meta["common_backend"] == "torch"
     assert (ckpt / meta["index"]["file"]).exists() and (ckpt / meta["common"]["file"]).exists()
 
@@ -345,11 +345,25 @@ def _rewrite_index(ckpt, mutate):
     (ckpt / "metadata.json").write_bytes(meta.to_json())
 
 
+def _list_chunks(index):
+    """Replace every grid of an index document by its chunks listed one by one (also valid)."""
+    from distckpt.format.index import CheckpointIndex
+
+    parsed = CheckpointIndex.from_json(json.dumps(index).encode(), "index")
+    for key, t in index["tensors"].items():
+        if t.pop("grid", None) is not None:
+            t["chunks"] = [
+                {"offset": list(c.offset), "shape": list(c.shape), "file": index["files"].index(c.file),
+                 "data_offset": c.data_offset, "nbytes": c.nbytes, "crc32c": list(c.crc32c)}
+                for c in parsed.tensors[key].chunks
+            ]
+
+
 def test_index_with_a_hole_is_refused(tmp_path):
     state = {"w": [ShardedTensor.from_global_offset("w", torch.ones(2, 4), (4, 4), (0, 0)),
                    ShardedTensor.from_global_offset("w", torch.ones(2, 4), (4, 4), (2, 0))]}
     distckpt.save(state, tmp_path)
-    _rewrite_index(tmp_path, lambda index: index["tensors"]["w"]["chunks"].pop())
+    _rewrite_index(tmp_path, lambda index: (_list_chunks(index), index["tensors"]["w"]["chunks"].pop()))
     with pytest.raises(CorruptCheckpointError, match=r"'w': the checkpoint has no data for 8 elements"):
         distckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4))}, tmp_path)
 
@@ -360,6 +374,7 @@ def test_index_with_overlapping_chunks_or_escaping_paths_is_refused(tmp_path):
     distckpt.save(state, tmp_path)
 
     def overlap(index):
+        _list_chunks(index)
         index["tensors"]["w"]["chunks"][1]["offset"] = [1, 0]
 
     _rewrite_index(tmp_path, overlap)

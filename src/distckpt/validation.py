@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 import pickle
+from array import array
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from enum import Enum
+from itertools import compress
 from typing import Any
 
 import torch
@@ -18,7 +20,9 @@ import torch
 from . import checksum
 from .errors import ShardingValidationError
 from .planning.boxes import Box
-from .planning.coverage import check_exact_cover
+from .planning.columns import ShardColumns, shard_columns
+from .planning.coverage import check_exact_cover, covers_exactly, covers_exactly_columns
+from .planning.gcpause import paused_gc
 from .planning.shards import ObjectShard, TensorShard
 
 logger = logging.getLogger(__name__)
@@ -117,36 +121,99 @@ def validate_sharding_integrity(
     all_objects: Sequence[Sequence[ObjectShard]] = (),
 ) -> None:
     """Every global tensor (and object grid) is described consistently by all ranks and every
-    element is covered by exactly one main replica. Raises :class:`ShardingValidationError`."""
-    by_key: dict[str, list[tuple[int, TensorShard]]] = defaultdict(list)
-    for rank, shards in enumerate(all_tensors):
-        for shard in shards:
-            by_key[shard.key].append((rank, shard))
-    problems = []
-    for key, holders in sorted(by_key.items()):
-        rank0, first = holders[0]
-        for rank, shard in holders[1:]:
-            if (shard.global_shape, shard.dtype) != (first.global_shape, first.dtype):
-                problems.append(
-                    f"tensor {key!r}: rank {rank0} says global shape {first.global_shape} "
-                    f"{first.dtype}, rank {rank} says {shard.global_shape} {shard.dtype}"
-                )
-                break
-        else:
-            boxes: list[Box] = []
-            owners: list[int] = []
-            for rank, shard in holders:
-                if shard.main:
-                    for piece in shard.pieces():
-                        boxes.append(piece.box)
-                        owners.append(rank)
-            message = check_exact_cover(key, first.global_shape, boxes, owners)
-            if message:
-                problems.append(message)
-    problems.extend(_object_problems(all_objects))
+    element is covered by exactly one main replica. Raises :class:`ShardingValidationError`.
+
+    Linear in the number of shards for the common layouts (each tensor's main boxes forming a
+    regular grid, e.g. rows split over thousands of ranks); other layouts take the general
+    sweep of :func:`~distckpt.planning.coverage.check_exact_cover`.
+    """
+    with paused_gc():
+        problems = _tensor_problems(all_tensors)
+        problems.extend(_object_problems(all_objects))
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise ShardingValidationError("invalid sharding: " + problems[0] + more)
+
+
+def _tensor_problems(all_tensors: Sequence[Sequence[TensorShard]]) -> list[str]:
+    columns = shard_columns(all_tensors, keep=True)
+    general = _irregular_keys(all_tensors) if columns is None else _irregular_keys_columns(columns)
+    problems: dict[str, str] = {}
+    if general:
+        # General path (flat ranges, irregular layouts, errors): boxes with their ranks.
+        holders: dict[str, list[tuple[int, TensorShard]]] = {key: [] for key in general}
+        for rank, shards in enumerate(all_tensors):
+            for shard in shards:
+                found = holders.get(shard.key)
+                if found is not None:
+                    found.append((rank, shard))
+        for key in general:
+            message = _general_check(key, holders[key])
+            if message:
+                problems[key] = message
+    return [problems[key] for key in sorted(problems)]
+
+
+def _irregular_keys_columns(columns: ShardColumns) -> list[str]:
+    """Keys whose main boxes are not proven to cover the tensor exactly (fast path)."""
+    general = []
+    for key in columns.slots:
+        if not columns.consistent(key):
+            general.append(key)
+            continue
+        (shape, _, _), starts, sizes, mains, _ = columns.key_columns(key)
+        if mains.count(1) != len(mains):
+            starts = [array("q", compress(column, mains)) for column in starts]
+            sizes = [array("q", compress(column, mains)) for column in sizes]
+        if shape:
+            exact = covers_exactly_columns(shape, starts, sizes)
+        else:
+            exact = mains.count(1) == 1
+        if not exact:
+            general.append(key)
+    return general
+
+
+def _irregular_keys(all_tensors: Sequence[Sequence[TensorShard]]) -> list[str]:
+    """Keys whose main boxes are not proven to cover the tensor exactly (any descriptions)."""
+    # One pass over the shards in the order they lie in memory (rank after rank), gathering per
+    # key what the exact-cover test needs: the main boxes' offsets and shapes. Keys whose shards
+    # disagree, or hold flat ranges, go to the general (slower) path.
+    groups: dict[str, list] = {}  # key -> [global_shape, dtype, offsets, shapes, general]
+    for shards in all_tensors:
+        for shard in shards:
+            key = shard.key
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = [shard.global_shape, shard.dtype, [], [], False]
+            if shard.global_shape != group[0] or shard.dtype != group[1] or shard.flat is not None:
+                group[4] = True
+            elif shard.main:
+                box = shard.box
+                group[2].append(box[0])
+                group[3].append(box[1])
+    return [
+        key for key, (shape, _, offsets, shapes, irregular) in groups.items()
+        if irregular or not covers_exactly(shape, [Box(o, s) for o, s in zip(offsets, shapes)])
+    ]
+
+
+def _general_check(key: str, holders: list[tuple[int, TensorShard]]) -> str | None:
+    rank0, first = holders[0]
+    for rank, shard in holders[1:]:
+        if (shard.global_shape, shard.dtype) != (first.global_shape, first.dtype):
+            return (
+                f"tensor {key!r}: rank {rank0} says global shape {first.global_shape} "
+                f"{first.dtype}, rank {rank} says {shard.global_shape} {shard.dtype}"
+            )
+    boxes = []
+    owners: list[int] = []
+    for rank, shard in holders:
+        if shard.main:
+            for piece in shard.pieces():
+                boxes.append(piece.box)
+                owners.append(rank)
+    return check_exact_cover(key, first.global_shape, boxes, owners)
 
 
 def _object_problems(all_objects: Sequence[Sequence[ObjectShard]]) -> list[str]:

@@ -63,3 +63,20 @@ def two_rank_state(rank: int, empty: bool) -> dict:
     if not empty:
         state["iteration"] = 20
     return state
+
+
+# Format v2 only: rows of G split FSDP-style in chunks of 3 over 25 shards (the last ones
+# shorter or empty), saved from one process: the index stores them as one grid of packed arrays.
+G = torch.arange(70 * 3, dtype=torch.float32).reshape(70, 3) / 4
+G_SHARDS = 25
+
+
+def grid_state(empty: bool) -> dict:
+    shards = []
+    for i in range(G_SHARDS):
+        start = min(3 * i, 70)
+        stop = min(start + 3, 70)
+        rows = G[start:stop].clone()
+        shards.append(ShardedTensor.from_global_offset("g", torch.zeros_like(rows) if empty else rows,
+                                                       (70, 3), (start, 0)))
+    return {"g": shards}

@@ -1,7 +1,10 @@
-"""Regenerate the golden checkpoints of format v1 (run only when adding a new golden set;
-existing goldens must never be rewritten: they prove old checkpoints stay readable).
+"""Write the golden checkpoints of the current format version into a new directory (run only
+when a format version is added; existing goldens must never be rewritten: they prove old
+checkpoints stay readable).
 
-    python tests/golden/make_golden.py tests/golden/v1
+    python tests/golden/make_golden.py tests/golden/v2    # format version 2 (index with grids)
+
+``tests/golden/v1`` was written the same way by the release that introduced format version 1.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(__file__))
 import distckpt  # noqa: E402
 
-from golden_content import single_state, two_rank_state  # noqa: E402
+from golden_content import grid_state, single_state, two_rank_state  # noqa: E402
 
 
 def _two_rank_worker(rank: int, port: int, path: str) -> None:
@@ -29,9 +32,10 @@ def _two_rank_worker(rank: int, port: int, path: str) -> None:
 
 def main(out: str) -> None:
     single = os.path.join(out, "single")
-    if os.path.exists(single) or os.path.exists(os.path.join(out, "two_ranks")):
+    if any(os.path.exists(os.path.join(out, name)) for name in ("single", "two_ranks", "grid")):
         raise SystemExit(f"{out} already holds goldens; never rewrite them")
     distckpt.save(single_state(empty=False), single, content_metadata={"golden": "single"})
+    distckpt.save(grid_state(empty=False), os.path.join(out, "grid"), content_metadata={"golden": "grid"})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

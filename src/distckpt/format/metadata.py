@@ -14,7 +14,8 @@ from .index import is_safe_file_name
 
 METADATA_FILE = "metadata.json"
 FORMAT_NAME = "distckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)  # version 2 changed only the index (docs/format.md section 9)
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,11 @@ class CheckpointMetadata:
             raise CorruptCheckpointError(
                 f"{path}: format is {doc.get('format')!r:.60}, expected {FORMAT_NAME!r}"
             )
-        if type(doc.get("version")) is not int or doc.get("version") != FORMAT_VERSION:
+        if type(doc.get("version")) is not int or doc.get("version") not in READABLE_FORMAT_VERSIONS:
             raise UnsupportedFormatError(
                 f"{path}: format version {doc.get('version')!r:.20} is not supported by this "
-                f"release (reads version {FORMAT_VERSION}); upgrade distckpt"
+                f"release (reads versions {', '.join(map(str, READABLE_FORMAT_VERSIONS))}); "
+                "upgrade distckpt"
             )
         stored = doc.pop("checksum", None)
         if stored != _self_checksum(doc):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ..errors import CorruptCheckpointError
 from ..format.index import ChunkEntry, TensorEntry
 from .boxes import Box, intersect, is_contiguous_region, relative
+from .gcpause import paused_gc
 from .shards import TensorShard
 
 
@@ -62,8 +63,19 @@ def plan_reads(
     """Plan the reads that fill every request from the saved chunks of ``tensors``.
 
     Requests must name keys present in ``tensors`` with matching dtypes (checked by the caller).
-    Reads are ordered by file and offset so that the I/O is as sequential as possible.
+    Reads are ordered by file and offset so that the I/O is as sequential as possible. The
+    chunks of each request are found by bisection (:meth:`TensorEntry.overlapping`), so the
+    cost grows with what the rank reads, not with the number of chunks in the checkpoint.
     """
+    with paused_gc():
+        return _plan_reads(requests, tensors, block_bytes)
+
+
+def _plan_reads(
+    requests: Sequence[TensorShard],
+    tensors: dict[str, TensorEntry],
+    block_bytes: int,
+) -> list[ChunkRead]:
     reads: dict[tuple[str, int], ChunkRead] = {}
     for request_id, request in enumerate(requests):
         entry = tensors[request.key]
@@ -71,7 +83,7 @@ def plan_reads(
         for piece in request.pieces():
             view_shape = piece.box.shape
             covered = 0
-            for chunk in _overlapping(entry, piece.box):
+            for chunk in entry.overlapping(piece.box):
                 common = intersect(piece.box, Box(chunk.offset, chunk.shape))
                 if common is None:
                     continue
@@ -107,13 +119,6 @@ def _check_covered(key: str, box: Box, saved_shape: tuple[int, ...], covered: in
             f"requested region {box.describe()}; the checkpoint is incomplete (saved without "
             "validation from shards that left holes?) or its index was damaged"
         )
-
-
-def _overlapping(entry: TensorEntry, box: Box) -> list[ChunkEntry]:
-    if not box.offset:
-        return entry.chunks
-    lo, hi = box.offset[0], box.offset[0] + box.shape[0]
-    return [c for c in entry.chunks if c.offset[0] < hi and c.offset[0] + c.shape[0] > lo]
 
 
 def _set_byte_range(read: ChunkRead, block_bytes: int) -> None:

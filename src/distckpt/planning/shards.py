@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from .boxes import Box, FlatPiece, flat_range_to_boxes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorShard:
     """This rank's part of global tensor ``key``: ``box`` in global coordinates, or only the
     flat range ``flat`` (start, stop) of the box's row-major flattening."""
@@ -47,7 +47,7 @@ class TensorShard:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ObjectShard:
     """One serialized :class:`~distckpt.mapping.ShardedObject` held by this rank."""
 
