@@ -298,7 +298,7 @@ class CheckpointIndex:
     def files(self) -> list[str]:
         names: set[str] = set()
         for t in self.tensors.values():
-            names.update(c.file for c in t._chunks)
+            names.update(map(_FILE, t._chunks))
             if t._grid is not None:
                 names.update(t._grid.file_set())
         names.update(o.file for o in self.objects.values())
