@@ -266,17 +266,19 @@ def _holders_from_columns(tensor_shards: Sequence[Sequence[TensorShard]], column
             hashes.extend(group.column(group.hashes, position))
         if len(set(hashes)) == len(hashes):
             continue
-
-        def code(i: int, slots: list[tuple[int, int]] = slots) -> int:
-            for number, position in slots:
-                group = columns.groups[number]
-                if i < len(group.ranks):
-                    return (group.ranks[i] << _RANK_SHIFT | position << 1
-                            | group.mains[i * group.count + position])
-                i -= len(group.ranks)
-            raise IndexError(i)
-
-        _find_replicas(tensor_shards, key, hashes, code, multi)
+        # Some boxes repeat (or their hashes collide): compare the boxes themselves, from the
+        # columns (no flat ranges here, so a shard's identity is its box).
+        _, box_starts, box_sizes, box_mains, box_ranks = columns.key_columns(key)
+        positions = [p for number, p in slots for _ in columns.groups[number].ranks]
+        boxes = list(zip(*box_starts, *box_sizes)) if box_starts else [()] * len(box_mains)
+        repeated = {box for box, count in Counter(boxes).items() if count > 1}
+        holders_of: dict[tuple, list[int]] = {}
+        for i, box in enumerate(boxes):
+            if box in repeated:
+                holders_of.setdefault(box, []).append(
+                    box_ranks[i] << _RANK_SHIFT | positions[i] << 1 | box_mains[i])
+        for box, holders in holders_of.items():
+            multi[(key, box)] = sorted(holders)  # order of appearance: rank, then index
     return _Own(own_index, own_total, sizes_of), columns.slots, multi
 
 
