@@ -30,7 +30,7 @@ def _inspect_data(reader: CheckpointReader) -> dict:
         nbytes = math.prod(entry.shape) * itemsize(dtype_from_name(entry.dtype))
         tensors.append(
             {"key": key, "dtype": entry.dtype, "shape": list(entry.shape), "bytes": nbytes,
-             "chunks": len(entry.chunks)}
+             "chunks": entry.num_chunks}
         )
     objects = [
         {"key": uk, "grid": list(o.global_shape), "bytes": o.nbytes} for uk, o in index.objects.items()

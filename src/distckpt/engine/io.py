@@ -27,7 +27,7 @@ from ..planning.shards import ObjectShard
 from ..storage import Storage
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian machine runs torch today
-    raise ImportError("distckpt format v1 stores little-endian bytes; this machine is big-endian")
+    raise ImportError("the distckpt format stores little-endian bytes; this machine is big-endian")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -24,6 +24,7 @@ from ..format.index import DEFAULT_BLOCK_BYTES, CheckpointIndex, ChunkEntry, Obj
 from ..format.metadata import METADATA_FILE, CheckpointMetadata, FileRef
 from ..mapping import ShardedObject, ShardedTensor, is_main_replica
 from ..planning.boxes import Box
+from ..planning.gcpause import paused_gc
 from ..planning.shards import ObjectShard, TensorShard
 from ..storage import Storage
 from .checkpoint import read_metadata
@@ -101,10 +102,21 @@ def build_index(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> CheckpointIndex:
     """Assemble the index from every rank's descriptions and write records."""
+    with paused_gc():  # millions of acyclic objects at scale; a full collection costs seconds
+        return _build_index(all_tensors, written, block_bytes)
+
+
+def _build_index(
+    all_tensors: Sequence[Sequence[TensorShard]],
+    written: Sequence[tuple[list[tuple[str, ChunkEntry]], list[tuple[str, ObjectEntry]]]],
+    block_bytes: int,
+) -> CheckpointIndex:
     index = CheckpointIndex(block_bytes=block_bytes)
+    tensors = index.tensors
     for shards in all_tensors:
         for shard in shards:
-            index.tensors.setdefault(shard.key, TensorEntry(shard.dtype, shard.global_shape))
+            if shard.key not in tensors:  # setdefault would build an entry per shard
+                tensors[shard.key] = TensorEntry(shard.dtype, shard.global_shape)
     for tensor_records, object_records in written:
         for key, chunk in tensor_records:
             index.tensors[key].chunks.append(chunk)

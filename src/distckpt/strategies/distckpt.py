@@ -1,4 +1,4 @@
-"""The default sharded strategy: distckpt format v1 (safetensors data files + JSON index)."""
+"""The default sharded strategy: distckpt format (safetensors data files + JSON index)."""
 
 from __future__ import annotations
 
