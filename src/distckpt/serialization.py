@@ -75,6 +75,7 @@ def save(
     content_metadata: dict | None = None,
     *,
     overwrite: bool = False,
+    process_group: Any | None = None,
 ) -> AsyncRequest | None:
     """Save a sharded state dict (collective).
 
@@ -103,6 +104,8 @@ def save(
             ``metadata.json`` (readable without unpickling) and in the common state.
         overwrite: replace a checkpoint already in ``checkpoint_dir``. The old one stays
             loadable until the new one is committed.
+        process_group: the ranks taking part (default: the whole job). Coordination runs on a
+            gloo group with the same ranks (created once if this one is not gloo).
 
     Returns:
         ``None``, or the :class:`AsyncRequest` of an async save.
@@ -144,7 +147,7 @@ def save(
         )
 
     job = prepare_save(
-        open_storage(checkpoint_dir), Coordinator(), collect, common_saver.serialize, options
+        open_storage(checkpoint_dir), Coordinator(process_group), collect, common_saver.serialize, options
     )
     if not async_sharded_save:
         job.finalize(job.write)
@@ -188,6 +191,7 @@ def load(
     strict: str | bool | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
     *,
     allow_pickle: bool = False,
+    process_group: Any | None = None,
 ) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Load a checkpoint into the layout described by ``sharded_state_dict`` (collective).
 
@@ -210,13 +214,14 @@ def load(
             ``assume_ok_unexpected``, False is ``log_unexpected``).
         allow_pickle: let the common state and ShardedObjects use full pickle (runs code from
             the checkpoint: only for checkpoints you trust).
+        process_group: the ranks taking part (default: the whole job).
 
     Returns:
         The loaded state dict, or ``(state_dict, missing_keys, unexpected_keys)`` for the
         ``RETURN_*`` strict modes.
     """
     strict = parse_strict_flag(strict)
-    coordinator = Coordinator()
+    coordinator = Coordinator(process_group)
     local: dict[str, Any] = {}
     need_global_keys = StrictHandling.requires_global_app_metadata(strict)
 
