@@ -200,7 +200,7 @@ def _load_leaves(
         saved = set(index.tensors) | {key.rpartition("/")[0] for key in index.objects}
         missing = {leaf.key for leaf in leaves} - saved
         if missing and strict:
-            shown = ", ".join(sorted(missing)[:10]) + (" ..." if len(missing) > 10 else "")
+            shown = ", ".join(map(repr, sorted(missing)[:10])) + (" ..." if len(missing) > 10 else "")
             raise MissingKeyError(
                 f"{reader.path} has no entry for {len(missing)} key(s) of the state dict: {shown}"
                 " (load with strict=False to skip them, or key_mapping to rename them)"
@@ -407,7 +407,11 @@ _BACKGROUND_GROUPS: dict[Any, Any] = {}
 
 
 def _group_key(process_group: Any | None) -> Any:
-    return "default" if process_group is None else process_group
+    """The group object itself (the default group's object changes when the job re-initializes
+    ``torch.distributed``, so nothing cached for an old one is reused)."""
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return process_group
 
 
 def _wait_for_async_save(process_group: Any | None) -> None:
