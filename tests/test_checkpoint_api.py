@@ -360,6 +360,28 @@ def _read_outputs(
     return state
 
 
+def test_cli_unshard(fsdp_checkpoint, tmp_path, capsys):
+    from distckpt.cli import main
+
+    path, expected = fsdp_checkpoint
+    assert main(["unshard", path, str(tmp_path / "out"), "--safetensors", "--strategy", "chunks",
+                 "--chunk-size", "1KiB"]) == 0
+    captured = capsys.readouterr()
+    assert "unsharding [" in captured.err and f"model: {tmp_path / 'out' / 'model'}" in captured.out
+    state = _read_outputs(tmp_path / "out" / "model", True, "chunks")
+    assert state.keys() == expected["model"].keys()
+    assert all(torch.equal(state[k], v) for k, v in expected["model"].items())
+    assert main(["unshard", path, str(tmp_path / "out"), "--quiet"]) == 1
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["unshard", path, str(tmp_path / "out"), "--quiet", "--overwrite"]) == 0
+    optim_state = torch.load(tmp_path / "out" / "optim.pt", weights_only=True)
+    assert set(optim_state["state"]) == set(expected["model"])
+    with pytest.raises(SystemExit):
+        main(["unshard", path, str(tmp_path / "o2"), "--strategy", "chunks"])  # no --chunk-size
+    with pytest.raises(SystemExit):
+        main(["unshard", path, str(tmp_path / "o2"), "--strategy", "chunks", "--chunk-size", "lots"])
+
+
 def test_unshard_refuses_optimizer_in_safetensors(fsdp_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="use_safetensors"):
         ckpt.unshard_checkpoint(fsdp_checkpoint[0], tmp_path / "o", optim=True, use_safetensors=True)

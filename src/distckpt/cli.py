@@ -1,4 +1,4 @@
-"""The ``distckpt`` command: inspect and verify checkpoints without writing code."""
+"""The ``distckpt`` command: inspect, verify and unshard checkpoints without writing code."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from .errors import CheckpointingException
 from .format.dtypes import dtype_from_name, itemsize
 
 
-def _human(n: int) -> str:
+def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
+        n /= 1024
     return str(n)
 
 
@@ -102,7 +102,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_inspect.add_argument("--json", action="store_true", help="machine-readable output")
     p_verify = sub.add_parser("verify", help="re-read every chunk and check its checksum")
     p_verify.add_argument("dir")
+    p_unshard = sub.add_parser(
+        "unshard", help="write the model (and optimizer) state as torch.load-able or safetensors files"
+    )
+    p_unshard.add_argument("dir", help="checkpoint saved with distckpt.checkpoint.save_model_and_optim_state")
+    p_unshard.add_argument("out", help="local output directory")
+    p_unshard.add_argument("--safetensors", action="store_true", help="write safetensors files (model only)")
+    p_unshard.add_argument("--strategy", choices=["one_file", "one_file_per_tensor", "chunks"], default="one_file")
+    p_unshard.add_argument("--chunk-size", type=_parse_size, default=None,
+                           help="approximate file size for --strategy chunks, e.g. 1GB, 500MiB")
+    p_unshard.add_argument("--no-optim", action="store_true", help="skip the optimizer state")
+    p_unshard.add_argument("--overwrite", action="store_true", help="replace files in a non-empty OUT")
+    p_unshard.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+
+    if args.command == "unshard":
+        return _unshard(parser, args)
 
     if args.command == "inspect":
         try:
@@ -125,6 +140,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     print(f"{len(report.problems)} problem(s) in {report.path}", file=sys.stderr)
     return 1
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _parse_size(text: str) -> int:
+    """``"1GB"``, ``"500MiB"``, ``"4096"`` -> bytes."""
+    upper = text.strip().upper()
+    digits = upper.rstrip("KMGTIB")
+    unit = upper[len(digits):]
+    try:
+        value = float(digits) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1GB, 500MiB, 4096)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return int(value)
+
+
+def _unshard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from .checkpoint import UnshardStrategy, unshard_checkpoint
+
+    if args.strategy == "chunks" and args.chunk_size is None:
+        parser.error("--strategy chunks needs --chunk-size (e.g. --chunk-size 1GB)")
+    strategy = {
+        "one_file": UnshardStrategy.one_file,
+        "one_file_per_tensor": UnshardStrategy.one_file_per_tensor,
+        "chunks": lambda: UnshardStrategy.chunks(args.chunk_size),
+    }[args.strategy]()
+    try:
+        model, optim = unshard_checkpoint(
+            args.dir, args.out, optim=not (args.no_optim or args.safetensors),
+            save_overwrite=args.overwrite, use_safetensors=args.safetensors,
+            unshard_strategy=strategy, quiet=args.quiet,
+        )
+    except FileExistsError:
+        print(f"error: {args.out} is not empty; pass --overwrite to replace its files", file=sys.stderr)
+        return 1
+    except (CheckpointingException, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"model: {model}")
+    if optim is not None:
+        print(f"optim: {optim}")
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..cli import _human
 from ..engine.checkpoint import CheckpointReader
 from ..engine.io import tensor_bytes
 from ..errors import CheckpointExistsError, MissingKeyError
@@ -437,11 +438,3 @@ class _Progress:
             self._draw(time.monotonic())
             sys.stderr.write("\n")
             sys.stderr.flush()
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"  # pragma: no cover
