@@ -1,5 +1,7 @@
 """distckpt demo: save on 4 ranks (TP=2 x DP=2, distributed optimizer), resume on 3 ranks
-(TP=1 x DP=3) with every value checked, then inspect and verify the checkpoint.
+(TP=1 x DP=3) with every value checked, then inspect and verify the checkpoint; then a real
+FSDP2 training loop checkpointed on 4 processes, resumed on 2, and exported to safetensors
+(examples/train_fsdp.py).
 
 Run with ``./dev demo`` (or ``python examples/demo.py [checkpoint_dir]``).
 """
@@ -170,6 +172,11 @@ def main() -> None:
     total = sum(p.numel() for p in global_params().values())
     print(f"\ndemo OK: {total} parameters + optimizer state, saved by 4 ranks, resharded to 3 ranks, "
           f"{math.ceil(sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)) / 1024)} KiB on disk")
+    print("\n5) Training with FSDP2 and distckpt.checkpoint (examples/train_fsdp.py)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import train_fsdp
+
+    train_fsdp.main(ckpt + "-train")
 
 
 if __name__ == "__main__":

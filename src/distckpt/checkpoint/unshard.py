@@ -412,6 +412,7 @@ class _Progress:
         self.total = max(total, 1)
         self.done = 0
         self.quiet = quiet
+        self.live = sys.stderr.isatty()  # redraw in place on a terminal; one line otherwise
         self.started = time.monotonic()
         self.last = 0.0
         self.width = 30
@@ -419,7 +420,7 @@ class _Progress:
     def advance(self, nbytes: int) -> None:
         self.done += nbytes
         now = time.monotonic()
-        if not self.quiet and (now - self.last > 0.1 or self.done >= self.total):
+        if self.live and not self.quiet and (now - self.last > 0.1 or self.done >= self.total):
             self.last = now
             self._draw(now)
 
