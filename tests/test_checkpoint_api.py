@@ -171,6 +171,18 @@ def _save_nested(path: str) -> None:
         "plain": torch.tensor([1.5, 2.5]),
         "meta": {"step": 12, "names": ["a", "b"], "nested": {"lr": 0.5}},
     }
+    # our boxes agree with torch's own computation, and Partial placements are refused
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for tensor in (state["w"], state["rep"]):
+        offset, local_shape, _ = ckpt.dtensor_box(tensor)
+        assert (local_shape, offset) == tuple(map(tuple, compute_local_shape_and_global_offset(
+            tensor.shape, tensor.device_mesh, tensor.placements)))
+    partial = state["w"].redistribute(placements=[Shard(0), Shard(1)])
+    partial = torch.distributed.tensor.DTensor.from_local(partial.to_local(), mesh2d, [Partial(), Shard(1)])
+    with pytest.raises(CheckpointingException, match="Partial"):
+        ckpt.dtensor_box(partial)
     ckpt.save_state_dict(path, state)
     del rank
 
@@ -208,6 +220,31 @@ def test_state_dict_of_dtensors_on_a_2d_mesh_loads_into_another_mesh(dist, tmp_p
     w, meta = ckpt.load_keys(path, ["w", "meta"])
     assert torch.equal(w, full_w)
     assert meta == {"step": 12, "names": ["a", "b"], "nested": {"lr": 0.5}}
+
+
+def _async_save_then_mutate(path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
+    weight = distribute_tensor(torch.arange(64.0).reshape(16, 4), mesh, [Shard(0)])
+    state = {"w": weight, "step": torch.tensor(3), "extra": {"note": "x"}}
+    future = ckpt.async_save_state_dict(path, state, thread_count=3)
+    weight.to_local().fill_(-1.0)  # training goes on: must not reach the checkpoint
+    state["step"].add_(1)
+    future.result(timeout=60)
+    loaded = {"w": distribute_tensor(torch.zeros(16, 4), mesh, [Shard(0)]), "step": torch.tensor(0), "extra": {"note": ""}}
+    ckpt.load_state_dict(path, loaded)
+    assert torch.equal(loaded["w"].full_tensor(), torch.arange(64.0).reshape(16, 4))
+    assert loaded["step"].item() == 3 and loaded["extra"] == {"note": "x"}
+    with pytest.raises(FileExistsError, match="save_overwrite"):  # raised before returning
+        ckpt.async_save_state_dict(path, state)
+
+
+def test_async_save_is_isolated_from_later_mutation(dist, tmp_path):
+    path = tmp_path / "async"
+    dist.run(2, _async_save_then_mutate, str(path), timeout=120)
+    assert len([f for f in path.iterdir() if f.name.startswith("data-")]) >= 2
 
 
 def _save_disagreeing(path: str) -> None:
