@@ -95,10 +95,11 @@ class SaveJob:
             chunks, data = self.plan.chunks, self.shards.tensor_data
         objects = [(self.shards.objects[i], self.shards.object_bytes[i]) for i in self.plan.objects]
         try:
-            return write_rank_files(
-                self.storage, f"data-{self.save_id}-r{rank:05d}", chunks, data, objects,
-                self.options.block_bytes, self.options.thread_count,
-            )
+            with self.storage.upload_slot():
+                return write_rank_files(
+                    self.storage, f"data-{self.save_id}-r{rank:05d}", chunks, data, objects,
+                    self.options.block_bytes, self.options.thread_count,
+                )
         finally:
             if self.staged is not None:
                 POOL.release(self.staged.buffer)

@@ -7,22 +7,37 @@ import os
 from .base import Storage, Writer
 from .local import LocalStorage
 from .memory import MemoryStorage
+from .object_store import ObjectStoreOptions, is_url
 
 
-def open_storage(location: "str | os.PathLike | Storage") -> Storage:
-    """The storage for a checkpoint location: a directory path (or an existing Storage)."""
+def open_storage(location: "str | os.PathLike | Storage", options: ObjectStoreOptions | None = None) -> Storage:
+    """The storage for a checkpoint location: a directory path, a ``file://`` URL, an object
+    store URL (``s3://bucket/prefix``, ``gs://``, ``az://``), or an existing Storage.
+
+    ``options`` configures object stores (default: the ``AWS_*`` environment variables).
+    """
     if isinstance(location, Storage):
         return location
     text = os.fspath(location)
+    if is_url(text):
+        try:
+            import obstore  # noqa: F401
+        except ImportError:
+            raise ImportError(
+                f"{text}: object stores need the obstore client: pip install 'distckpt[s3]'"
+            ) from None
+        from .object_store import ObjectStoreStorage
+
+        return ObjectStoreStorage(text, options)
     if "://" in text and not text.startswith("file://"):
         scheme = text.split("://", 1)[0]
         raise NotImplementedError(
-            f"{text}: the {scheme!r} storage backend is not available in this release; "
-            "use a local or mounted directory"
+            f"{text}: no storage backend for {scheme!r} URLs; use a directory, file://, s3://, "
+            "gs:// or az://"
         )
     if text.startswith("file://"):
         text = text[len("file://") :]
     return LocalStorage(text)
 
 
-__all__ = ["Storage", "Writer", "LocalStorage", "MemoryStorage", "open_storage"]
+__all__ = ["Storage", "Writer", "LocalStorage", "MemoryStorage", "ObjectStoreOptions", "open_storage"]

@@ -6,7 +6,9 @@ engine needs, nothing it doesn't. A backend translates names to its own addressi
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 
 
 class Writer(ABC):
@@ -60,6 +62,11 @@ class Storage(ABC):
     @abstractmethod
     def prepare_root(self) -> None:
         """Create the root if needed (called by the coordinator before a save)."""
+
+    @contextlib.contextmanager
+    def upload_slot(self) -> Iterator[None]:
+        """Held by a rank while it writes its data files (object stores may throttle uploads)."""
+        yield
 
     def describe(self, name: str = "") -> str:
         """A user-facing location for error messages."""
