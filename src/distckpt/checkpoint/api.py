@@ -16,7 +16,7 @@ from ..engine.checkpoint import CheckpointReader
 from ..engine.collective import Coordinator
 from ..errors import CheckpointExistsError, CheckpointingException, MissingKeyError
 from ..mapping import ShardedTensor
-from ..storage import open_storage
+from ..storage import Storage, open_storage, storage_for
 from ..strategies.distckpt import DistCkptLoadShardedStrategy, DistCkptSaveShardedStrategy
 from .adapters import Leaf, describe, flatten
 
@@ -32,7 +32,7 @@ PATHS_KEY = "_distckpt_paths"
 
 
 def save_state_dict(
-    dir: str | os.PathLike[str],
+    dir: str | os.PathLike[str] | Storage,
     state_dict: dict[str, Any],
     *,
     process_group: Any | None = None,
@@ -57,8 +57,8 @@ def save_state_dict(
         thread_count: files written in parallel per rank (default 1).
         process_count: accepted for compatibility; distckpt writes from threads without
             serializing tensors (no process pool needed), so it has no effect.
-        throttle_uploads: only one rank per node uploads at a time (object stores; no effect
-            on a filesystem).
+        throttle_uploads: with an object-store URL, the ranks of one host upload one at a time
+            (no effect on a filesystem).
         enable_plan_caching: accepted for compatibility; plans of an unchanged layout are
             always cached.
 
@@ -67,11 +67,12 @@ def save_state_dict(
     """
     _check_counts(thread_count, process_count)
     _wait_for_async_save(process_group)
+    location = storage_for(dir, throttle_uploads=throttle_uploads)
     coordinator = Coordinator(process_group)
-    sharded = _describe_for_save(dir, state_dict, coordinator, save_overwrite)
+    sharded = _describe_for_save(location, state_dict, coordinator, save_overwrite)
     serialization.save(
         sharded,
-        dir,
+        location,
         sharded_strategy=DistCkptSaveShardedStrategy(thread_count or 1),
         overwrite=save_overwrite,
         process_group=process_group,
@@ -79,7 +80,7 @@ def save_state_dict(
 
 
 def async_save_state_dict(
-    dir: str | os.PathLike[str],
+    dir: str | os.PathLike[str] | Storage,
     state_dict: dict[str, Any],
     *,
     process_group: Any | None = None,
@@ -100,11 +101,12 @@ def async_save_state_dict(
     _check_counts(thread_count, process_count)
     _wait_for_async_save(process_group)
     group = _background_group(process_group)
+    location = storage_for(dir, throttle_uploads=throttle_uploads)
     coordinator = Coordinator(group)
-    sharded = _describe_for_save(dir, state_dict, coordinator, save_overwrite)
+    sharded = _describe_for_save(location, state_dict, coordinator, save_overwrite)
     request = serialization.save(
         sharded,
-        dir,
+        location,
         sharded_strategy=DistCkptSaveShardedStrategy(thread_count or 1),
         async_sharded_save=True,
         overwrite=save_overwrite,
@@ -127,7 +129,7 @@ def async_save_state_dict(
 
 
 def load_state_dict(
-    dir: str | os.PathLike[str],
+    dir: str | os.PathLike[str] | Storage,
     state_dict: dict[str, Any],
     *,
     process_group: Any | None = None,
@@ -144,8 +146,10 @@ def load_state_dict(
     of the checkpoint not in ``state_dict`` are not loaded.
 
     Args:
-        pre_download, work_dir: for object stores (a local cache of the needed files); no
-            effect on a filesystem.
+        pre_download: fetch the whole files this rank reads from an object store into a local
+            cache first (reused by later loads of the same checkpoint; every chunk is still
+            checked against its checksum); no effect on a local directory.
+        work_dir: where that cache lives (default: the system temp directory).
         thread_count: reads in flight per rank (default 1).
         allow_pickle: let Python values use full pickle (runs code from the checkpoint: only
             for checkpoints you trust). By default only plain types, tensors and containers
@@ -153,11 +157,12 @@ def load_state_dict(
     """
     _check_counts(thread_count, None)
     _wait_for_async_save(process_group)
-    _load_leaves(dir, flatten(state_dict), process_group, thread_count, allow_pickle, strict=True)
+    location = storage_for(dir, pre_download=pre_download, work_dir=work_dir)
+    _load_leaves(location, flatten(state_dict), process_group, thread_count, allow_pickle, strict=True)
 
 
 def _describe_for_save(
-    dir: str | os.PathLike[str], state_dict: dict[str, Any], coordinator: Coordinator, overwrite: bool
+    dir: Storage, state_dict: dict[str, Any], coordinator: Coordinator, overwrite: bool
 ) -> dict[str, Any]:
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
@@ -181,7 +186,7 @@ def _describe_for_save(
 
 
 def _load_leaves(
-    dir: str | os.PathLike[str],
+    dir: Storage,
     leaves: list[Leaf],
     process_group: Any | None,
     thread_count: int | None,
@@ -229,7 +234,7 @@ def _load_leaves(
 
 
 def save_model_and_optim_state(
-    dir: str | os.PathLike[str],
+    dir: str | os.PathLike[str] | Storage,
     model: torch.nn.Module,
     optim: torch.optim.Optimizer | None = None,
     *,
@@ -267,7 +272,7 @@ def save_model_and_optim_state(
 
 
 def async_save_model_and_optim_state(
-    dir: str | os.PathLike[str],
+    dir: str | os.PathLike[str] | Storage,
     model: torch.nn.Module,
     optim: torch.optim.Optimizer | None = None,
     *,
@@ -289,7 +294,7 @@ def async_save_model_and_optim_state(
 
 
 def load_model_and_optim_state(
-    dir: str | os.PathLike[str],
+    dir: str | os.PathLike[str] | Storage,
     model: torch.nn.Module,
     optim: torch.optim.Optimizer | None = None,
     *,
@@ -326,7 +331,8 @@ def load_model_and_optim_state(
     _wait_for_async_save(process_group)
     state = _model_and_optim_state(model, optim, flatten_optimizer_state)
     renamed, restore = _apply_key_mapping(state, key_mapping or {}, flatten_optimizer_state)
-    _load_leaves(dir, flatten(renamed), process_group, thread_count, allow_pickle, strict=strict)
+    location = storage_for(dir, pre_download=pre_download, work_dir=work_dir)
+    _load_leaves(location, flatten(renamed), process_group, thread_count, allow_pickle, strict=strict)
     restore()
     options = StateDictOptions(strict=strict, flatten_optimizer_state_dict=flatten_optimizer_state)
     with torch.no_grad():

@@ -26,6 +26,7 @@ from ..format.dtypes import dtype_from_name, safetensors_code
 from ..format.safetensors import Entry, build_header
 from ..mapping import ShardedObject, ShardedTensor
 from ..serialization import _resolve_load_common, _resolve_load_sharded
+from ..storage import Storage, storage_for
 from .api import PATHS_KEY
 
 
@@ -97,7 +98,7 @@ class CheckpointInfo:
 class _Source:
     """One checkpoint opened for reading whole entries on this process."""
 
-    def __init__(self, dir: str | os.PathLike[str], allow_pickle: bool = False) -> None:
+    def __init__(self, dir: "str | os.PathLike[str] | Storage", allow_pickle: bool = False) -> None:
         self.reader = CheckpointReader(dir)
         self.sharded = _resolve_load_sharded(None, self.reader.metadata)
         self.common_loader = _resolve_load_common(None, self.reader.metadata, allow_pickle)
@@ -140,7 +141,7 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return count * torch.empty((), dtype=dtype).element_size()
 
 
-def get_checkpoint_metadata(dir: str | os.PathLike[str]) -> CheckpointInfo:
+def get_checkpoint_metadata(dir: "str | os.PathLike[str] | Storage") -> CheckpointInfo:
     """The commit record and the key, shape and dtype of every entry (reads no data)."""
     reader = CheckpointReader(dir)
     meta = reader.metadata
@@ -157,7 +158,7 @@ def get_checkpoint_metadata(dir: str | os.PathLike[str]) -> CheckpointInfo:
 
 
 def load_keys(
-    dir: str | os.PathLike[str],
+    dir: "str | os.PathLike[str] | Storage",
     keys: Iterable[str],
     *,
     pre_download: bool = False,
@@ -171,7 +172,7 @@ def load_keys(
     boundaries (``"optim.state.layers.0.weight"`` gives that parameter's whole state dict).
     """
     _require_single_process("load_keys")
-    source = _Source(dir, allow_pickle)
+    source = _Source(storage_for(dir, pre_download=pre_download, work_dir=work_dir), allow_pickle)
     for key in list(keys):
         yield _load_key(source, key)
 
@@ -212,7 +213,7 @@ def _lists(node: Any) -> Any:
 
 
 def unshard_checkpoint(
-    dir: str | os.PathLike[str],
+    dir: "str | os.PathLike[str] | Storage",
     target_dir: str | os.PathLike[str],
     *,
     optim: bool | None = None,
@@ -245,6 +246,8 @@ def unshard_checkpoint(
         RuntimeError: called in a distributed job with more than one rank.
     """
     _require_single_process("unshard_checkpoint")
+    if "://" in os.fspath(target_dir) and not os.fspath(target_dir).startswith("file://"):
+        raise ValueError(f"target_dir must be a local directory, not {os.fspath(target_dir)}")
     strategy = unshard_strategy or UnshardStrategy.one_file()
     if optim is None:
         optim = not use_safetensors
@@ -259,7 +262,7 @@ def unshard_checkpoint(
             f"{target} is not empty; pass save_overwrite=True to replace its files"
         )
     target.mkdir(parents=True, exist_ok=True)
-    source = _Source(dir)
+    source = _Source(storage_for(dir, pre_download=pre_download, work_dir=work_dir))
     model_keys, optim_entries = _split(source)
     if optim and not optim_entries:
         optim = False  # nothing to write (the checkpoint holds no optimizer state)

@@ -7,7 +7,7 @@ import os
 from .base import Storage, Writer
 from .local import LocalStorage
 from .memory import MemoryStorage
-from .object_store import ObjectStoreOptions, is_url
+from .object_store import CachedStorage, ObjectStoreOptions, is_url
 
 
 def open_storage(location: "str | os.PathLike | Storage", options: ObjectStoreOptions | None = None) -> Storage:
@@ -40,4 +40,30 @@ def open_storage(location: "str | os.PathLike | Storage", options: ObjectStoreOp
     return LocalStorage(text)
 
 
-__all__ = ["Storage", "Writer", "LocalStorage", "MemoryStorage", "ObjectStoreOptions", "open_storage"]
+def storage_for(
+    location: "str | os.PathLike | Storage",
+    *,
+    throttle_uploads: bool = False,
+    pre_download: bool = False,
+    work_dir: "str | os.PathLike | None" = None,
+) -> Storage:
+    """``location`` with OLMo-core's options applied: ``throttle_uploads`` for object-store
+    URLs, and ``pre_download`` (a local cache of the files read, under ``work_dir``) for any
+    remote location. Local directories are returned as they are."""
+    if isinstance(location, Storage):
+        storage = location
+    elif is_url(os.fspath(location)):
+        storage = open_storage(location, ObjectStoreOptions(throttle_uploads=throttle_uploads))
+    else:
+        return open_storage(location)
+    if pre_download and not isinstance(storage, (LocalStorage, CachedStorage)):
+        import tempfile
+
+        storage = CachedStorage(storage, work_dir or tempfile.gettempdir())
+    return storage
+
+
+__all__ = [
+    "CachedStorage", "LocalStorage", "MemoryStorage", "ObjectStoreOptions", "Storage", "Writer",
+    "open_storage", "storage_for",
+]

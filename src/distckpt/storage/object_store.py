@@ -273,3 +273,103 @@ def host_lock(name: str) -> Iterator[None]:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+class CachedStorage(Storage):
+    """``pre_download``: whole files a rank reads are first fetched into a local cache
+    (``work_dir``), then read from there; later loads of the same checkpoint reuse them.
+
+    Only immutable files are cached: data files, the index and the common state carry the save
+    id in their names, so an overwritten checkpoint never hits stale copies, while
+    ``metadata.json`` is always read from the store. A cached copy is used only if its size
+    matches the object's; every chunk read from it is still checked against its crc32c.
+    Ranks of one host sharing ``work_dir`` download each file once (a host-local lock).
+    """
+
+    CACHEABLE = ("data-", "index-", "common-")
+
+    def __init__(self, remote: Storage, work_dir: str | os.PathLike[str]) -> None:
+        self.remote = remote
+        self.root = remote.root
+        digest = hashlib.sha1(remote.root.encode()).hexdigest()[:16]
+        self.directory = os.path.join(os.fspath(work_dir), f"distckpt-cache-{digest}")
+        self.downloaded = 0  # statistics: bytes fetched into the cache by this process
+
+    def _local(self, name: str) -> str | None:
+        if not name.startswith(self.CACHEABLE):
+            return None
+        path = os.path.join(self.directory, name)
+        size = self.remote.size(name)
+        if os.path.exists(path) and os.path.getsize(path) == size:
+            return path
+        os.makedirs(self.directory, exist_ok=True)
+        with host_lock(f"cache-{path}"):
+            if os.path.exists(path) and os.path.getsize(path) == size:
+                return path  # another rank of this host fetched it meanwhile
+            partial = f"{path}.{os.getpid()}.partial"
+            try:
+                with open(partial, "wb") as f:
+                    self._download(name, f, size)
+                if os.path.getsize(partial) != size:
+                    raise TruncatedFileError(
+                        f"{self.remote.describe(name)}: downloaded {os.path.getsize(partial)} of {size} bytes"
+                    )
+                os.replace(partial, path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(partial)
+        self.downloaded += size
+        return path
+
+    def _download(self, name: str, f: Any, size: int) -> None:
+        step = 16 * 1024 * 1024
+        buffer = bytearray(min(step, size))
+        for start in range(0, size, step):
+            view = memoryview(buffer)[: min(step, size - start)]
+            self.remote.read_into(name, start, view)
+            f.write(view)
+
+    def exists(self, name: str) -> bool:
+        return self.remote.exists(name)
+
+    def list(self) -> list[str]:
+        return self.remote.list()
+
+    def size(self, name: str) -> int:
+        return self.remote.size(name)
+
+    def read(self, name: str) -> bytes:
+        path = self._local(name)
+        if path is None:
+            return self.remote.read(name)
+        with open(path, "rb") as f:
+            return f.read()
+
+    def read_into(self, name: str, offset: int, buffer: memoryview) -> None:
+        path = self._local(name)
+        if path is None:
+            self.remote.read_into(name, offset, buffer)
+            return
+        view = memoryview(buffer).cast("B")
+        with open(path, "rb") as f:
+            f.seek(offset)
+            while view:
+                n = f.readinto(view)
+                if not n:
+                    raise TruncatedFileError(f"{path}: cached copy ends before byte {offset + len(buffer)}")
+                view = view[n:]
+
+    def open_writer(self, name: str) -> Writer:
+        return self.remote.open_writer(name)
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        self.remote.write_atomic(name, data)
+
+    def delete(self, name: str) -> None:
+        self.remote.delete(name)
+
+    def prepare_root(self) -> None:
+        self.remote.prepare_root()
+
+    def describe(self, name: str = "") -> str:
+        return self.remote.describe(name)
