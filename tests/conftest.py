@@ -19,3 +19,15 @@ def dist():
         yield pool
     finally:
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real SeaweedFS S3 server on 127.0.0.1 with enforced credentials (tests/_s3.py)."""
+    from _s3 import S3Server
+
+    server = S3Server().start()
+    try:
+        yield server
+    finally:
+        server.close()

@@ -47,7 +47,9 @@ def test_writer_output_is_byte_stable(tmp_path):
 
 
 def test_writer_index_is_byte_stable(tmp_path):
-    distckpt.save(grid_state(empty=False), tmp_path, content_metadata={"golden": "grid"})
+    # (the golden was written with 1 MiB checksum blocks, the default before 2026-11-23)
+    strategy = distckpt.strategies.distckpt.DistCkptSaveShardedStrategy(block_bytes=1 << 20)
+    distckpt.save(grid_state(empty=False), tmp_path, strategy, content_metadata={"golden": "grid"})
     golden = os.path.join(GOLDENS[2], "grid")
     fresh_id = distckpt.engine.checkpoint.CheckpointReader(tmp_path).metadata.save_id
     golden_id = distckpt.engine.checkpoint.CheckpointReader(golden).metadata.save_id

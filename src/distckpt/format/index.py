@@ -38,7 +38,7 @@ from .dtypes import dtype_from_name, itemsize
 INDEX_FORMAT = "distckpt-index"
 INDEX_VERSION = 2
 READABLE_INDEX_VERSIONS = (1, 2)
-DEFAULT_BLOCK_BYTES = 1 << 20
+DEFAULT_BLOCK_BYTES = 1 << 18  # 256 KiB: bounds the over-read of a partial chunk read
 MAX_NDIM = 64
 MAX_NUMEL = 1 << 62
 
