@@ -135,6 +135,19 @@ class S3Server:
         self.client().create_bucket(Bucket=name)
         return name
 
+    def wait_readable(self, bucket: str, key: str, timeout: float = 60.0) -> None:
+        """Wait until ``key`` can be read (after a restart, volumes come back a little after
+        the S3 endpoint answers)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
+
     def kill(self) -> None:
         """Stop at once (a crash): SIGKILL to the whole process group."""
         if self.process is not None and self.process.poll() is None:
