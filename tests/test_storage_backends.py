@@ -198,7 +198,7 @@ def test_model_checkpoint_unshard_and_pre_download(dist, backend, in_env, tmp_pa
 
     cache = tmp_path / "cache"
     stamps = []
-    for attempt in range(2):
+    for _attempt in range(2):
         model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
         optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         ckpt.load_model_and_optim_state(url, model, optim, pre_download=True, work_dir=cache)
