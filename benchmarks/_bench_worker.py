@@ -186,7 +186,7 @@ class Worker:
                 if lib == "distckpt":
                     distckpt.save(state, path)
                 else:
-                    dcp.save(state, storage_writer=dcp.FileSystemWriter(path), planner=planner)
+                    dcp.save(state, storage_writer=_dcp_writer(path), planner=planner)
                 t_block = time.perf_counter()
             else:
                 if lib == "distckpt":
@@ -195,7 +195,7 @@ class Worker:
                     wait = lambda: self.async_queue.maybe_finalize_async_calls(blocking=True)  # noqa: E731
                 else:
                     future = dcp.async_save(
-                        state, storage_writer=dcp.FileSystemWriter(path), planner=planner,
+                        state, storage_writer=_dcp_writer(path), planner=planner,
                         process_group=self.async_group,
                     )
                     wait = future.result
@@ -276,7 +276,7 @@ class Worker:
         if lib == "distckpt":
             distckpt.load(request, path)
         else:
-            dcp.load(request, storage_reader=dcp.FileSystemReader(path))
+            dcp.load(request, storage_reader=_dcp_reader(path))
         t_done = time.perf_counter()
         _stop_profile(profiler, profile)
         lo1 = _loopback_bytes()
@@ -342,6 +342,23 @@ def _stop_profile(profiler: cProfile.Profile | None, path: str | None) -> None:
     if profiler is not None and path is not None:
         profiler.disable()
         profiler.dump_stats(path)
+
+
+def _dcp_writer(path: str):
+    """DCP's filesystem writer, or for a URL its fsspec writer (s3fs for s3://)."""
+    if "://" in path:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(path)
+    return dcp.FileSystemWriter(path)
+
+
+def _dcp_reader(path: str):
+    if "://" in path:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(path)
+    return dcp.FileSystemReader(path)
 
 
 def worker_main(rank: int, world: int, port: int, commands, results) -> None:

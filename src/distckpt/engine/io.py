@@ -252,8 +252,9 @@ class ChunkFiller:
         return end - start
 
     def run(self, reads: Sequence[ChunkRead], thread_count: int = 1) -> ReadStats:
-        """Perform ``reads``: direct reads where a chunk lines up with its destination, the
-        others coalesced into one request per run of adjacent byte ranges of a file."""
+        """Perform ``reads``: direct reads where a chunk lines up with its destination (and is
+        not smaller than the storage's ``min_request_bytes``), the others coalesced into one
+        request per run of adjacent byte ranges of a file."""
         stats = ReadStats()
         tasks: list[Callable[[], int]] = []
         group: list[ChunkRead] = []
@@ -266,9 +267,10 @@ class ChunkFiller:
                 stats.coalesced_reads += len(group) - 1
             group, group_bytes = [], 0
 
+        small = self.storage.min_request_bytes
         for read in reads:
             region = self.direct_region(read)
-            if region is not None:
+            if region is not None and read.read_stop - read.read_start >= small:
                 tasks.append(partial(self.run_direct, read, region))
                 stats.direct_reads += 1
                 continue
@@ -282,7 +284,7 @@ class ChunkFiller:
             group.append(read)
             group_bytes += size
         flush()
-        sizes = run_tasks(tasks, thread_count, "distckpt-read")
+        sizes = run_tasks(tasks, max(thread_count, self.storage.read_concurrency), "distckpt-read")
         stats.bytes_read = sum(sizes)
         stats.chunks_read = len(reads)
         stats.requests = len(tasks)

@@ -30,6 +30,11 @@ class Storage(ABC):
     """A checkpoint root. Names are plain file names (no separators)."""
 
     root: str
+    #: Requests smaller than this are latency-bound (object stores): the reader coalesces
+    #: neighbouring chunks into one request even where each could be read in place.
+    min_request_bytes: int = 0
+    #: Reads in flight per rank at least (object stores hide request latency with more).
+    read_concurrency: int = 1
 
     @abstractmethod
     def exists(self, name: str) -> bool: ...

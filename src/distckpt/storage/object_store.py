@@ -110,6 +110,9 @@ class _ObjectWriter(Writer):
 class ObjectStoreStorage(Storage):
     """A checkpoint under ``scheme://bucket/prefix`` in an object store."""
 
+    min_request_bytes = 4 << 20
+    read_concurrency = 8
+
     def __init__(self, url: str, options: ObjectStoreOptions | None = None) -> None:
         scheme = url.split("://", 1)[0].lower()
         if scheme not in SCHEMES:
