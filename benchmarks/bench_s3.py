@@ -106,15 +106,21 @@ def main() -> None:
 
 
 def _server_bandwidth(client, bucket: str) -> tuple[float, float]:
-    """The server's own put/get speed for one 64 MiB object (the physical limit here)."""
+    """The server's own put/get speed for one 64 MiB object (the physical limit here): the best
+    of 3, after a warm-up put (a fresh server allocates its volumes on the first write)."""
     payload = os.urandom(64 << 20)
-    t0 = time.perf_counter()
-    client.put_object(Bucket=bucket, Key="bandwidth-probe", Body=payload)
-    t1 = time.perf_counter()
-    client.get_object(Bucket=bucket, Key="bandwidth-probe")["Body"].read()
-    t2 = time.perf_counter()
+    client.put_object(Bucket=bucket, Key="bandwidth-probe", Body=payload[: 1 << 20])
+    puts, gets = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        client.put_object(Bucket=bucket, Key="bandwidth-probe", Body=payload)
+        t1 = time.perf_counter()
+        client.get_object(Bucket=bucket, Key="bandwidth-probe")["Body"].read()
+        t2 = time.perf_counter()
+        puts.append(len(payload) / (t1 - t0) / 1e6)
+        gets.append(len(payload) / (t2 - t1) / 1e6)
     client.delete_object(Bucket=bucket, Key="bandwidth-probe")
-    return len(payload) / (t1 - t0) / 1e6, len(payload) / (t2 - t1) / 1e6
+    return max(puts), max(gets)
 
 
 def _delete_prefix(client, bucket: str, prefix: str) -> None:
@@ -131,7 +137,7 @@ def _table(results: dict[str, list[float]], state_bytes: int, put: float, get: f
         theirs = statistics.median(results[f"{metric}-dcp"])
         mb_s = state_bytes / ours / 1e6
         lines.append(f"| {label} | {ours:.3f} s ({mb_s:.0f} MB/s) | {theirs:.3f} s | {theirs / ours:.2f} |")
-    lines.append(f"| server alone, one 64 MiB object (boto3) | put {put:.0f} MB/s | get {get:.0f} MB/s | |")
+    lines.append(f"| server alone, one 64 MiB object, best of 3 (boto3) | put {put:.0f} MB/s | get {get:.0f} MB/s | |")
     return "\n".join(lines)
 
 
