@@ -314,3 +314,47 @@ def test_resharded_load_reads_little_more_than_it_needs(dist, s3_server):
     for read, needed in dist.run(3, _with_env, env, _bytes_read_on_resharded_load, url):
         # index and metadata included; data reads are aligned to 256 KiB checksum blocks
         assert read <= 1.1 * needed, (read, needed)
+
+
+def _throttled_save(location: str, log: str) -> None:
+    import time
+
+    from distckpt.storage.object_store import ObjectStoreStorage
+
+    original = ObjectStoreStorage.upload_slot
+
+    def recording_slot(self):
+        slot = original(self)
+
+        class Recorded:
+            def __enter__(self_inner):
+                slot.__enter__()
+                start = time.monotonic()
+                self_inner.start = start
+
+            def __exit__(self_inner, *exc):
+                end = time.monotonic()
+                with open(log, "a") as f:
+                    f.write(f"{tdist.get_rank()} {self_inner.start} {end}\n")
+                return slot.__exit__(*exc)
+
+        return Recorded()
+
+    ObjectStoreStorage.upload_slot = recording_slot  # type: ignore[method-assign]
+    try:
+        rank, world = tdist.get_rank(), tdist.get_world_size()
+        big = torch.randn(1020, 1024).chunk(world)[rank].clone()  # 3 equal row blocks
+        distckpt.save({"big": ShardedTensor.from_rank_offsets("big", big, (0, rank, world))},
+                      open_storage(location, ObjectStoreOptions(throttle_uploads=True)))
+    finally:
+        ObjectStoreStorage.upload_slot = original  # type: ignore[method-assign]
+
+
+def test_throttled_uploads_do_not_overlap_on_one_host(dist, s3_server, tmp_path):
+    log = tmp_path / "slots.log"
+    url = f"s3://{s3_server.create_bucket()}/throttled"
+    dist.run(3, _with_env, s3_server.env(), _throttled_save, url, str(log))
+    spans = sorted(tuple(map(float, line.split()[1:])) for line in log.read_text().splitlines())
+    assert len(spans) == 3
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert start >= end, spans  # one rank of this host uploads at a time
