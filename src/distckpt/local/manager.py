@@ -415,31 +415,37 @@ class LocalCheckpointManager:
     # -- housekeeping -------------------------------------------------------------------------
 
     def _cleanup(self, iteration: int) -> None:
-        """Remove what a crashed save left in this rank's holder directories: temporary files,
-        and data files no record references (the record is written last)."""
+        """Remove what a crashed save left in this rank's holder directories: temporary files
+        everywhere, and in ``iteration`` (about to be written) data files no record references
+        and this rank's own record (the record is written last). Older iterations' orphans go
+        with retention."""
         if not os.path.isdir(self.root):
             return
         for name in os.listdir(self.root):
             m = _ITER.match(name)
-            if m is None or not os.path.isdir(self._holder_dir(int(m.group(1)))):
+            if m is None:
                 continue
             directory = self._holder_dir(int(m.group(1)))
-            referenced: set[str] = set()
-            for file in os.listdir(directory):
-                if _RECORD.match(file):
-                    try:
-                        referenced.update(f["name"] for f in _open_record(os.path.join(directory, file))["files"])
-                    except CorruptCheckpointError:
-                        os.unlink(os.path.join(directory, file))
-            for file in os.listdir(directory):
-                stale = file.endswith(".partial") or (file.startswith("data-") and file not in referenced)
-                if int(m.group(1)) == iteration and file.startswith(("data-", "piece-r")):
-                    stale = stale or file == f"piece-r{self.rank:05d}.json"  # re-saving this iteration
-                if stale:
-                    try:
-                        os.unlink(os.path.join(directory, file))
-                    except FileNotFoundError:
-                        pass
+            if not os.path.isdir(directory):
+                continue
+            files = os.listdir(directory)
+            stale = {f for f in files if f.endswith(".partial")}
+            if int(m.group(1)) == iteration:
+                stale.add(f"piece-r{self.rank:05d}.json")  # this rank saves the iteration again
+                referenced: set[str] = set()
+                for file in files:
+                    if _RECORD.match(file) and file not in stale:
+                        try:
+                            record = _open_record(os.path.join(directory, file))
+                            referenced.update(f["name"] for f in record["files"])
+                        except CorruptCheckpointError:
+                            stale.add(file)
+                stale.update(f for f in files if f.startswith("data-") and f not in referenced)
+            for file in stale & set(files):
+                try:
+                    os.unlink(os.path.join(directory, file))
+                except FileNotFoundError:
+                    pass
 
     def _retain(self) -> None:
         """Keep the newest ``keep_last`` iterations of this rank's holder directories."""
