@@ -45,6 +45,7 @@ from ..engine.collective import Coordinator
 from ..engine.io import write_rank_files
 from ..engine.load import load_objects, load_tensors
 from ..engine.save import build_index, describe_local
+from ..engine.staging import POOL, stage
 from ..errors import CheckpointingException, CorruptCheckpointError
 from ..format.index import DEFAULT_BLOCK_BYTES, CheckpointIndex
 from ..format.metadata import METADATA_FILE, CheckpointMetadata, FileRef
@@ -148,8 +149,7 @@ class LocalCheckpointManager:
         if iteration < 0:
             raise ValueError(f"iteration must be >= 0, got {iteration}")
         self.wait_for_replication()
-        # Async: a copy, so that training may change the tensors while they are written.
-        tensors = [t.detach().to("cpu", copy=is_async) for t in state.tensors]
+        tensors = list(state.tensors)
         originals = state.pop_tensors()
         try:
             hollow = state.hollow_to_bytes()
@@ -164,19 +164,28 @@ class LocalCheckpointManager:
         local.tensors = [replace(s, main=True) for s in local.tensors]
         local.objects = [replace(o, main=True) for o in local.objects]
         plan = plan_save([local.tensors], [local.objects])[0]
+        chunks, data, staged = plan.chunks, local.tensor_data, None
+        if is_async or any(t.device.type != "cpu" for t in data):
+            # A snapshot in reusable host buffers: training may change the tensors right away.
+            staged = stage(plan.chunks, local.tensor_data)
+            chunks, data = staged.chunks, staged.tensors
 
         def write() -> None:
-            self._cleanup(iteration)
-            directory = self._holder_dir(iteration)
-            os.makedirs(directory, exist_ok=True)
-            storage = _AtomicDir(directory)
-            records = write_rank_files(
-                storage, f"data-{save_id}-r{self.rank:05d}", plan.chunks, local.tensor_data,
-                [(local.objects[i], local.object_bytes[i]) for i in plan.objects], self.block_bytes,
-            )
+            try:
+                self._cleanup(iteration)
+                directory = self._holder_dir(iteration)
+                os.makedirs(directory, exist_ok=True)
+                storage = _AtomicDir(directory)
+                records = write_rank_files(
+                    storage, f"data-{save_id}-r{self.rank:05d}", chunks, data,
+                    [(local.objects[i], local.object_bytes[i]) for i in plan.objects], self.block_bytes,
+                )
+            finally:
+                if staged is not None:
+                    POOL.release(staged.buffer)
             index = build_index([local.tensors], [records], self.block_bytes)
-            files = [{"name": name, "size": os.path.getsize(os.path.join(directory, name)),
-                      "crc32c": _file_crc(os.path.join(directory, name))} for name in index.files]
+            files = [{"name": name, "size": storage.written[name][0], "crc32c": storage.written[name][1]}
+                     for name in index.files]
             record = {
                 "format": RECORD_FORMAT, "version": 1, "iteration": iteration, "owner": self.rank,
                 "world_size": self.world_size, "save_id": save_id, "files": files,
@@ -379,7 +388,7 @@ class LocalCheckpointManager:
             everyone = self.coordinator.all_gather(requests)
             if not any(everyone):
                 break
-            outgoing: dict[int, dict[int, bytes]] = {}
+            outgoing: dict[int, dict[int, bytearray]] = {}
             for requester, asked in enumerate(everyone):
                 for owner, holder in asked.items():
                     if holder == self.rank:
@@ -390,7 +399,7 @@ class LocalCheckpointManager:
                 break
             received = _exchange_bytes(self._group, sends, incoming)
             for owner, holder in requests.items():
-                parts = _split(received.get(holder, b""))
+                parts = _split(received.get(holder, memoryview(b"")))
                 raw = parts.get(owner)
                 if raw is None:
                     failed[owner].add(holder)
@@ -509,7 +518,7 @@ def _verify_piece(directory: str, owner: int) -> bool:
     return True
 
 
-def _pack_piece(directory: str, owner: int) -> bytes:
+def _pack_piece(directory: str, owner: int) -> bytearray:
     """A piece's files as one payload: ``{name: bytes}`` joined (record last)."""
     record_name = f"piece-r{owner:05d}.json"
     try:
@@ -521,11 +530,11 @@ def _pack_piece(directory: str, owner: int) -> bytes:
         with open(os.path.join(directory, record_name), "rb") as file:
             parts[record_name] = file.read()
     except (CorruptCheckpointError, OSError):
-        return b""
+        return bytearray()
     return _join(parts)
 
 
-def _unpack_piece(raw: bytes, directory: str, owner: int) -> None:
+def _unpack_piece(raw: bytes | bytearray | memoryview, directory: str, owner: int) -> None:
     parts = _split(raw)
     record_name = f"piece-r{owner:05d}.json"
     if record_name not in parts:
@@ -534,20 +543,26 @@ def _unpack_piece(raw: bytes, directory: str, owner: int) -> None:
     storage = _AtomicDir(directory)
     for name, data in parts.items():
         if name != record_name:
-            storage.write_atomic(name, data)
-    storage.write_atomic(record_name, parts[record_name])  # the record last
+            storage.write_atomic(name, data)  # type: ignore[arg-type]  # (any bytes-like object)
+    storage.write_atomic(record_name, parts[record_name])  # type: ignore[arg-type]  # the record last
 
 
-def _join(parts: dict[Any, bytes]) -> bytes:
+def _join(parts: "dict[Any, bytes] | dict[Any, bytearray] | dict[str, bytes]") -> bytearray:
     header = json.dumps([[str(k), len(v)] for k, v in parts.items()]).encode()
-    return len(header).to_bytes(8, "little") + header + b"".join(parts.values())
+    out = bytearray(len(header).to_bytes(8, "little"))
+    out += header
+    for part in parts.values():
+        out += part
+    return out
 
 
-def _split(raw: bytes) -> dict[Any, bytes]:
-    if not raw:
+def _split(raw: bytes | bytearray | memoryview) -> dict[Any, memoryview]:
+    """Views into ``raw`` (no copies) keyed by name."""
+    raw = memoryview(raw)
+    if not len(raw):
         return {}
     size = int.from_bytes(raw[:8], "little")
-    entries = json.loads(raw[8 : 8 + size])
+    entries = json.loads(bytes(raw[8 : 8 + size]))
     out, position = {}, 8 + size
     for name, length in entries:
         key: Any = int(name) if name.isdigit() else name
@@ -556,7 +571,7 @@ def _split(raw: bytes) -> dict[Any, bytes]:
     return out
 
 
-def _exchange_bytes(group: Any, sends: dict[int, bytes], receives: list[int]) -> dict[int, bytes]:
+def _exchange_bytes(group: Any, sends: dict[int, bytearray], receives: list[int]) -> dict[int, memoryview]:
     """Point-to-point: send ``sends[peer]`` to each peer, receive one payload from each rank of
     ``receives`` (group ranks). Sizes first, then payloads; all transfers posted at once."""
     global_rank = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
@@ -569,12 +584,12 @@ def _exchange_bytes(group: Any, sends: dict[int, bytes], receives: list[int]) ->
             w.wait()
     data_in = {src: torch.empty(int(t.item()), dtype=torch.uint8) for src, t in size_in.items()}
     work = [dist.irecv(t, src=global_rank(src), group=group) for src, t in data_in.items() if t.numel()]
-    work += [dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=global_rank(dst), group=group)
+    work += [dist.isend(torch.frombuffer(data, dtype=torch.uint8), dst=global_rank(dst), group=group)
              for dst, data in sends.items() if data]
     for w in work:
         if w is not None:
             w.wait()
-    return {src: t.numpy().tobytes() for src, t in data_in.items()}
+    return {src: memoryview(t.numpy()) for src, t in data_in.items()}  # type: ignore[arg-type]
 
 
 def _complete(owners: dict[int, list[Piece]]) -> dict[int, list[Piece]] | None:
@@ -626,7 +641,12 @@ def _files_for(reader: CheckpointReader, requested: list[Any]) -> set[str]:
 
 
 class _AtomicDir(LocalStorage):
-    """A directory whose every file appears complete or not at all (temp name, fsync, rename)."""
+    """A directory whose every file appears complete or not at all (temp name, fsync, rename);
+    ``written`` has the size and crc32c of each file written through ``open_writer``."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.written: dict[str, tuple[int, int]] = {}
 
     def open_writer(self, name: str) -> Writer:
         return _RenamingWriter(self, name)
@@ -634,16 +654,21 @@ class _AtomicDir(LocalStorage):
 
 class _RenamingWriter(Writer):
     def __init__(self, storage: _AtomicDir, name: str) -> None:
+        self.storage, self.name = storage, name
         self.final = os.path.join(storage.root, name)
         self.temp = f"{self.final}.{uuid.uuid4().hex[:8]}.partial"
         self.inner = LocalStorage(storage.root).open_writer(os.path.basename(self.temp))
+        self.size, self.crc = 0, 0
 
     def write(self, data: memoryview) -> None:
         self.inner.write(data)
+        self.size += len(memoryview(data).cast("B"))
+        self.crc = checksum.crc32c(data, self.crc)
 
     def close(self) -> None:
         self.inner.close()
         os.replace(self.temp, self.final)
+        self.storage.written[self.name] = (self.size, self.crc)
 
     def abort(self) -> None:
         self.inner.abort()
