@@ -17,7 +17,7 @@ def test_top_level_names():
         "CheckpointingException", "CheckpointNotFoundError", "IncompleteCheckpointError",
         "CheckpointExistsError", "CorruptCheckpointError", "ChecksumError", "TruncatedFileError", "UnsupportedFormatError",
         "MismatchError", "MissingKeyError", "ShardingValidationError", "UnsafeCheckpointError",
-        "StorageError", "RemoteRankError", "ConcurrentModificationError",
+        "StorageError", "RemoteRankError", "ConcurrentModificationError", "CollectiveError",
     ])
     for name in distckpt.__all__:
         assert hasattr(distckpt, name), name

@@ -11,6 +11,7 @@ from .errors import (
     CheckpointingException,
     CheckpointNotFoundError,
     ChecksumError,
+    CollectiveError,
     ConcurrentModificationError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -76,5 +77,6 @@ __all__ = [
     "UnsafeCheckpointError",
     "StorageError",
     "RemoteRankError",
+    "CollectiveError",
     "ConcurrentModificationError",
 ]

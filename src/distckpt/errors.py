@@ -72,6 +72,11 @@ class RemoteRankError(CheckpointingException):
     fail themselves so that no rank is left waiting."""
 
 
+class CollectiveError(CheckpointingException, RuntimeError):
+    """A collective of a save or load failed: a rank died, or did not take part within the
+    process group's timeout."""
+
+
 __all__ = [
     "CheckpointingException",
     "CheckpointNotFoundError",
@@ -88,4 +93,5 @@ __all__ = [
     "ConcurrentModificationError",
     "StorageError",
     "RemoteRankError",
+    "CollectiveError",
 ]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Union
 
 from .dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
-from .engine.checkpoint import CheckpointReader
+from .engine.checkpoint import CheckpointReader, read_metadata
 from .engine.collective import Coordinator
 from .engine.save_job import SaveOptions, prepare_save
 from .errors import CheckpointingException, ConcurrentModificationError, StorageError
@@ -298,9 +298,16 @@ def load(
 
     def read() -> None:
         if local["sharded_part"]:
-            local["loaded"] = local["sharded"].load(
-                local["sharded_part"], reader, local["common_loader"]
-            )
+            try:
+                local["loaded"] = local["sharded"].load(
+                    local["sharded_part"], reader, local["common_loader"]
+                )
+            except (OSError, CheckpointingException) as exc:
+                if _overwritten(reader):
+                    raise ConcurrentModificationError(
+                        f"{reader.path} was overwritten while it was being read ({exc}); load again"
+                    ) from exc
+                raise
 
     sharded = local["sharded"]
     if getattr(sharded, "collective", False) and coordinator.world_size > 1:
@@ -318,6 +325,14 @@ def load(
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return result, missing, local["unexpected"]
     return result
+
+
+def _overwritten(reader: CheckpointReader) -> bool:
+    """Whether the checkpoint ``reader`` opened has since been replaced (or removed)."""
+    try:
+        return read_metadata(reader.storage).save_id != reader.metadata.save_id
+    except (OSError, CheckpointingException):
+        return True
 
 
 def _key_of(x: ShardedBase) -> str:

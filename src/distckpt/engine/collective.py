@@ -11,8 +11,9 @@ Coordination uses a CPU (gloo) group even when training uses NCCL, and works wit
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -53,29 +54,47 @@ class Coordinator:
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
-    def all_gather(self, obj: Any) -> list[Any]:
+    def all_gather(self, obj: Any, step: str = "a collective") -> list[Any]:
         if not self.distributed or self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._collective(step):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def gather(self, obj: Any) -> list[Any] | None:
+    def gather(self, obj: Any, step: str = "a collective") -> list[Any] | None:
         """Every rank's ``obj`` on the coordinator (``None`` elsewhere)."""
         if not self.distributed or self.world_size == 1:
             return [obj]
         out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0) if self.group else 0,
-                           group=self.group)
+        with self._collective(step):
+            dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0) if self.group else 0,
+                               group=self.group)
         return out
 
-    def broadcast(self, obj: Any) -> Any:
+    @contextlib.contextmanager
+    def _collective(self, step: str) -> Iterator[None]:
+        """Failures of the collective itself (a dead peer, the group's timeout) become a
+        :class:`CollectiveError` naming the step, instead of a bare backend error."""
+        try:
+            yield
+        except errors.CheckpointingException:
+            raise
+        except (RuntimeError, ConnectionError) as exc:
+            raise errors.CollectiveError(
+                f"rank {self.rank}: the collective of {step} failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                "another rank died or did not take part within the process group's timeout "
+                "(set by init_process_group(timeout=...) or the process_group passed in)"
+            ) from exc
+
+    def broadcast(self, obj: Any, step: str = "a collective") -> Any:
         """The coordinator's ``obj`` on every rank."""
         if not self.distributed or self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                   group=self.group)
+        with self._collective(step):
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                       group=self.group)
         return box[0]
 
     def exchange(self, step: str, fn: Callable[[], Any], to_coordinator: bool = False) -> list[Any]:
@@ -99,15 +118,15 @@ class Coordinator:
         if to_coordinator:
             # Only the coordinator needs the results (e.g. write records for the index): gather
             # them there and broadcast just the verdict, instead of sending everything to all.
-            gathered = self.gather(payload)
+            gathered = self.gather(payload, step)
             verdict = None
             if gathered is not None:
                 verdict = [(rank, r) for rank, r in enumerate(gathered) if r[0] == "error"]
-            failures = self.broadcast(verdict)
+            failures = self.broadcast(verdict, step)
             if not failures:
                 return [r[1] for r in gathered] if gathered is not None else []
         else:
-            results = self.all_gather(payload)
+            results = self.all_gather(payload, step)
             failures = [(rank, r) for rank, r in enumerate(results) if r[0] == "error"]
             if not failures:
                 return [r[1] for r in results]

@@ -144,6 +144,7 @@ def commit(
     world_size: int,
     sharded_backend: tuple[str, int],
     common_backend: tuple[str, int],
+    overwrite: bool = True,
 ) -> CheckpointMetadata:
     """Coordinator only: write index and common state, then the commit marker; then remove the
     files of the checkpoint this one replaces."""
@@ -165,7 +166,16 @@ def commit(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         writer=f"distckpt {__version__}",
     )
-    storage.write_atomic(METADATA_FILE, metadata.to_json())
+    if overwrite:
+        storage.write_atomic(METADATA_FILE, metadata.to_json())
+    else:
+        try:  # create-only: of two jobs saving here at once, exactly one commits
+            storage.create_atomic(METADATA_FILE, metadata.to_json())
+        except FileExistsError:
+            raise CheckpointExistsError(
+                f"{storage.root}: another save committed a checkpoint here while this one was writing; "
+                "this save was discarded (pass overwrite=True to replace, or use another directory)"
+            ) from None
     keep = set(index.files) | {index_ref.file, common_ref.file, METADATA_FILE}
     for name in previous - keep:
         try:

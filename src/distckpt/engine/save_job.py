@@ -123,6 +123,7 @@ class SaveJob:
                         world_size=coordinator.world_size,
                         sharded_backend=self.options.sharded_backend,
                         common_backend=self.options.common_backend,
+                        overwrite=self.options.overwrite,
                     )
 
             coordinator.exchange("commit", commit_here)

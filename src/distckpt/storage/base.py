@@ -60,6 +60,13 @@ class Storage(ABC):
     def write_atomic(self, name: str, data: bytes) -> None:
         """Replace ``name`` with ``data`` durably; readers see the old or the new blob."""
 
+    def create_atomic(self, name: str, data: bytes) -> None:
+        """Like :meth:`write_atomic`, but raise FileExistsError if ``name`` exists, atomically
+        with respect to other writers (backends override this default, which is not)."""
+        if self.exists(name):
+            raise FileExistsError(self.describe(name))
+        self.write_atomic(name, data)
+
     @abstractmethod
     def delete(self, name: str) -> None:
         """Remove ``name`` if present."""

@@ -96,6 +96,21 @@ class LocalStorage(Storage):
             raise
         self._sync_root()
 
+    def create_atomic(self, name: str, data: bytes) -> None:
+        tmp = self._path(f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, self._path(name))  # fails if the name exists: one creator wins
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        self._sync_root()
+
     def delete(self, name: str) -> None:
         try:
             os.unlink(self._path(name))

@@ -63,6 +63,12 @@ class MemoryStorage(Storage):
         with self.lock:
             self.blobs[name] = bytes(data)
 
+    def create_atomic(self, name: str, data: bytes) -> None:
+        with self.lock:
+            if name in self.blobs:
+                raise FileExistsError(self.describe(name))
+            self.blobs[name] = bytes(data)
+
     def delete(self, name: str) -> None:
         self.blobs.pop(name, None)
 

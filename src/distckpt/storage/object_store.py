@@ -240,6 +240,18 @@ class ObjectStoreStorage(Storage):
 
         self._call(name, lambda: obstore.put(self.store, name, data))
 
+    def create_atomic(self, name: str, data: bytes) -> None:
+        """A conditional PUT (``If-None-Match: *``): one creator wins."""
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        try:
+            self._call(name, lambda: obstore.put(self.store, name, data, mode="create"))
+        except StorageError as exc:
+            if isinstance(exc.__cause__, (AlreadyExistsError, PreconditionError)):
+                raise FileExistsError(f"{self.describe(name)} exists") from exc
+            raise
+
     def delete(self, name: str) -> None:
         import obstore
 
@@ -367,6 +379,9 @@ class CachedStorage(Storage):
 
     def write_atomic(self, name: str, data: bytes) -> None:
         self.remote.write_atomic(name, data)
+
+    def create_atomic(self, name: str, data: bytes) -> None:
+        self.remote.create_atomic(name, data)
 
     def delete(self, name: str) -> None:
         self.remote.delete(name)
