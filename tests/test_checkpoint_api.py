@@ -12,7 +12,7 @@ import torch
 import torch.distributed as tdist
 
 from distckpt import checkpoint as ckpt
-from distckpt.errors import CheckpointingException, MissingKeyError
+from distckpt.errors import CheckpointingException, MismatchError, MissingKeyError
 
 VOCAB, HIDDEN, FF = 13, 10, 22  # uneven over 4 ranks: FSDP2 leaves trailing shards short or empty
 
@@ -462,3 +462,72 @@ def test_keys_that_flatten_to_the_same_name_are_refused(tmp_path):
     with pytest.raises(CheckpointingException, match="'a.b'"):
         ckpt.save_state_dict(tmp_path / "x", {"a.b": torch.ones(1), "a": {"b": torch.ones(1)}})
     assert not (tmp_path / "x" / "metadata.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Regressions from review
+
+
+def _save_sets_and_bad_key(path: str, bad_rank: int) -> str:
+    state = {"tags": {"alpha", "beta", "gamma", "delta"}, "w": torch.ones(2)}
+    if tdist.get_rank() == bad_rank:
+        state["extra"] = {1: torch.ones(1)}  # a non-string key on one rank only
+    try:
+        ckpt.save_state_dict(path, state)
+    except CheckpointingException as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def test_equal_sets_are_replicas_and_one_bad_rank_fails_every_rank(dist, tmp_path):
+    assert dist.run(2, _save_sets_and_bad_key, str(tmp_path / "ok"), -1) == ["saved", "saved"]
+    outcomes = dist.run(2, _save_sets_and_bad_key, str(tmp_path / "bad"), 1)
+    assert all("keys must be strings" in o for o in outcomes), outcomes
+
+
+def test_lists_of_values_load_whole_and_kind_mismatch_is_named(tmp_path):
+    ckpt.save_state_dict(tmp_path / "c", {"hist": [1, 2, 3], "w": torch.ones(2), "n": 5})
+    state = {"hist": [0], "w": torch.zeros(2)}
+    ckpt.load_state_dict(tmp_path / "c", state)
+    assert state["hist"] == [1, 2, 3]
+    with pytest.raises(MismatchError, match="'n' was saved as a Python value"):
+        ckpt.load_state_dict(tmp_path / "c", {"n": torch.zeros(1)})
+    with pytest.raises(MismatchError, match="'w' was saved as a tensor"):
+        ckpt.load_state_dict(tmp_path / "c", {"w": 3})
+
+
+def test_unshard_overwrite_name_collisions_and_megatron_checkpoints(tmp_path):
+    import argparse
+
+    import distckpt
+
+    ckpt.save_state_dict(tmp_path / "six", {"model": {f"w{i}": torch.full((64,), float(i)) for i in range(6)}})
+    ckpt.save_state_dict(tmp_path / "two", {"model": {f"w{i}": torch.full((64,), 100.0 + i) for i in range(2)}})
+    out = tmp_path / "out"
+    ckpt.unshard_checkpoint(tmp_path / "six", out, unshard_strategy=ckpt.UnshardStrategy.chunks(300), quiet=True)
+    ckpt.unshard_checkpoint(tmp_path / "two", out, unshard_strategy=ckpt.UnshardStrategy.chunks(300),
+                            quiet=True, save_overwrite=True)
+    merged = _read_outputs(out / "model", False, "chunks")
+    assert sorted(merged) == ["w0", "w1"] and merged["w1"][0].item() == 101.0  # nothing left of "six"
+
+    ckpt.save_state_dict(tmp_path / "names", {"model": {"a/b": torch.ones(1), "a_b": torch.zeros(1)}})
+    model_dir, _ = ckpt.unshard_checkpoint(tmp_path / "names", tmp_path / "o2", quiet=True,
+                                           unshard_strategy=ckpt.UnshardStrategy.one_file_per_tensor())
+    assert sorted(f.name for f in model_dir.iterdir()) == ["a%2Fb.pt", "a_b.pt"]
+
+    megatron = {"args": argparse.Namespace(lr=0.1),
+                "w": distckpt.ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}
+    distckpt.save(megatron, tmp_path / "mcore")
+    model_file, optim = ckpt.unshard_checkpoint(tmp_path / "mcore", tmp_path / "o3", quiet=True)
+    assert optim is None and torch.equal(torch.load(model_file)["w"], torch.arange(4.0))
+
+
+def test_load_keys_prefix_of_flattened_optimizer_state(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optim.step()
+    ckpt.save_model_and_optim_state(tmp_path / "c", model, optim, flatten_optimizer_state=True)
+    (state,) = ckpt.load_keys(tmp_path / "c", ["optim.state.weight"])
+    assert set(state) == {"exp_avg", "exp_avg_sq", "step"}
+    assert torch.equal(state["exp_avg"], optim.state_dict()["state"][0]["exp_avg"])

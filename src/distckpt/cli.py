@@ -155,8 +155,8 @@ def _parse_size(text: str) -> int:
         value = float(digits) * _UNITS[unit]
     except (KeyError, ValueError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1GB, 500MiB, 4096)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    if int(value) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be at least one byte")
     return int(value)
 
 
@@ -179,7 +179,7 @@ def _unshard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except FileExistsError:
         print(f"error: {args.out} is not empty; pass --overwrite to replace its files", file=sys.stderr)
         return 1
-    except (CheckpointingException, ValueError) as exc:
+    except (CheckpointingException, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"model: {model}")

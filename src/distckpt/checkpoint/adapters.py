@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +73,9 @@ def flatten(state_dict: dict[str, Any]) -> list[Leaf]:
                     f"state dict keys must be strings; {path or '<root>'} has key {slot!r}"
                 )
             key = f"{path}{SEPARATOR}{slot}" if path else str(slot)
-            if isinstance(value, (dict, list)) and value:
+            # Dicts are containers; lists only when they hold tensors (as in DCP): a list of
+            # plain values is one value, loaded whole whatever the length of the list it replaces.
+            if (isinstance(value, dict) and value) or (isinstance(value, list) and _holds_tensor(value)):
                 walk(value, key, parts + (slot,))
                 continue
             if key in seen:
@@ -84,8 +86,20 @@ def flatten(state_dict: dict[str, Any]) -> list[Leaf]:
             seen.add(key)
             leaves.append(Leaf(key, parts + (slot,), container, slot, value))
 
+    if not isinstance(state_dict, dict):
+        raise CheckpointingException(f"the state dict must be a dict, got {type(state_dict).__name__}")
     walk(state_dict, "", ())
     return leaves
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
 
 
 def dtensor_box(tensor: "DTensor") -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
@@ -141,19 +155,32 @@ def _box_from_torch(tensor: "DTensor", coordinate: Sequence[int]) -> tuple[tuple
     return tuple(offset), tuple(shape), replica
 
 
+def _canonical(value: Any) -> Any:
+    """Equal values in one form: sets sorted, dict items sorted (their pickles otherwise depend
+    on insertion order and on per-process string hashing)."""
+    if isinstance(value, dict):
+        return ("dict", sorted(((repr(k), _canonical(v)) for k, v in value.items()), key=lambda kv: kv[0]))
+    if isinstance(value, (set, frozenset)):
+        return ("set", sorted((_canonical(v) for v in value), key=repr))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [_canonical(v) for v in value])
+    return value
+
+
 def _digest(value: Any) -> str:
     try:
-        raw = pickle.dumps(value, protocol=4)
+        raw = pickle.dumps(_canonical(value), protocol=4)
     except Exception as exc:  # noqa: BLE001 - any pickling failure
         raise CheckpointingException(f"cannot serialize {type(value).__name__}: {exc}") from exc
     return hashlib.sha256(raw).hexdigest()
 
 
 def describe(
-    leaves: list[Leaf], coordinator: Coordinator, *, check_replicas: bool
+    leaves_of: Callable[[], list[Leaf]], coordinator: Coordinator, *, check_replicas: bool
 ) -> tuple[dict[str, ShardedBase], list[tuple[str | int, ...]]]:
-    """The engine's description of every leaf, keyed by its flat key, and the paths of the
-    leaves of all ranks (collective: one exchange).
+    """The engine's description of every leaf (``leaves_of()``, called inside the exchange so
+    that its errors reach every rank), keyed by its flat key, and the paths of the leaves of
+    all ranks (collective: one exchange).
 
     Leaves of DTensors whose mesh excludes this rank are left out. With ``check_replicas``
     (save), replicated tensors and objects must agree between ranks.
@@ -162,6 +189,7 @@ def describe(
     replicated: list[tuple[Leaf, tuple]] = []
 
     def local_part() -> tuple[list, list]:
+        leaves = leaves_of()
         for leaf in leaves:
             value = leaf.value
             if isinstance(value, DTensor):

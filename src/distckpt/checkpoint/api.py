@@ -14,7 +14,7 @@ import torch.distributed as dist
 from .. import serialization
 from ..engine.checkpoint import CheckpointReader
 from ..engine.collective import Coordinator
-from ..errors import CheckpointExistsError, CheckpointingException, MissingKeyError
+from ..errors import CheckpointExistsError, CheckpointingException, MismatchError, MissingKeyError
 from ..mapping import ShardedTensor
 from ..storage import Storage, open_storage, storage_for
 from ..strategies.distckpt import DistCkptLoadShardedStrategy, DistCkptSaveShardedStrategy
@@ -95,8 +95,8 @@ def async_save_state_dict(
     Writing and the collective commit run in a background thread, with their collectives on a
     dedicated gloo group so they never interleave with training's. Tensors may be modified as
     soon as this returns. The future's ``result()`` raises if the save failed on any rank
-    (then nothing was committed). A new save on the same group first waits for the previous
-    one.
+    (then nothing was committed); call it before ``destroy_process_group()``, since the commit
+    is collective. A new save on the same group first waits for the previous one.
     """
     _check_counts(thread_count, process_count)
     _wait_for_async_save(process_group)
@@ -123,7 +123,10 @@ def async_save_state_dict(
         else:
             future.set_result(None)
 
-    threading.Thread(target=run, name="distckpt-async-save", daemon=True).start()
+    # Not a daemon: the interpreter waits for it at exit, so a save nobody waited for is still
+    # committed (or fails loudly) instead of vanishing. Call ``result()`` before
+    # ``destroy_process_group()``: the commit is collective.
+    threading.Thread(target=run, name="distckpt-async-save").start()
     _PENDING[_group_key(process_group)] = future
     return future
 
@@ -158,15 +161,12 @@ def load_state_dict(
     _check_counts(thread_count, None)
     _wait_for_async_save(process_group)
     location = storage_for(dir, pre_download=pre_download, work_dir=work_dir)
-    _load_leaves(location, flatten(state_dict), process_group, thread_count, allow_pickle, strict=True)
+    _load_leaves(location, state_dict, process_group, thread_count, allow_pickle, strict=True)
 
 
 def _describe_for_save(
     dir: Storage, state_dict: dict[str, Any], coordinator: Coordinator, overwrite: bool
 ) -> dict[str, Any]:
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-
     def check_destination() -> None:
         if coordinator.is_coordinator and not overwrite:
             storage = open_storage(dir)
@@ -177,7 +177,7 @@ def _describe_for_save(
                 )
 
     coordinator.exchange("checking the destination", check_destination)
-    described, paths = describe(flatten(state_dict), coordinator, check_replicas=True)
+    described, paths = describe(lambda: flatten(state_dict), coordinator, check_replicas=True)
     sharded: dict[str, Any] = dict(described)
     if PATHS_KEY in sharded:
         raise CheckpointingException(f"{PATHS_KEY!r} is reserved; rename that state dict entry")
@@ -187,35 +187,47 @@ def _describe_for_save(
 
 def _load_leaves(
     dir: Storage,
-    leaves: list[Leaf],
+    state_dict: dict[str, Any],
     process_group: Any | None,
     thread_count: int | None,
     allow_pickle: bool,
     *,
     strict: bool,
 ) -> set[str]:
-    """Load ``leaves`` from ``dir``; returns the keys the checkpoint lacks (only with
-    ``strict=False``, which skips them)."""
+    """Load the leaves of ``state_dict`` from ``dir``; returns the keys the checkpoint lacks
+    (only with ``strict=False``, which skips them)."""
     coordinator = Coordinator(process_group)
     local: dict[str, Any] = {}
 
     def check_keys() -> None:
+        leaves = local["leaves"] = flatten(state_dict)  # (errors reach every rank)
         reader = CheckpointReader(dir)
         index = reader.index
-        saved = set(index.tensors) | {key.rpartition("/")[0] for key in index.objects}
-        missing = {leaf.key for leaf in leaves} - saved
+        objects = {key.rpartition("/")[0] for key in index.objects}
+        kinds = {leaf.key: isinstance(leaf.value, torch.Tensor) for leaf in leaves}
+        for key, is_tensor in kinds.items():
+            if is_tensor and key in objects:
+                raise MismatchError(f"{reader.path}: {key!r} was saved as a Python value, the state dict has a tensor")
+            if not is_tensor and key in index.tensors:
+                raise MismatchError(f"{reader.path}: {key!r} was saved as a tensor, the state dict has a "
+                                    f"{type(state_dict_value(leaves, key)).__name__}")
+        missing = set(kinds) - set(index.tensors) - objects
         if missing and strict:
             shown = ", ".join(map(repr, sorted(missing)[:10])) + (" ..." if len(missing) > 10 else "")
+            hint = ""
+            if any(k.startswith("optim.") for k in missing):
+                hint = ("; if the optimizer state was saved with another flatten_optimizer_state "
+                        "setting, load with the same one")
             raise MissingKeyError(
                 f"{reader.path} has no entry for {len(missing)} key(s) of the state dict: {shown}"
-                " (load with strict=False to skip them, or key_mapping to rename them)"
+                f" (load with strict=False to skip them, or key_mapping to rename them{hint})"
             )
         local["missing"] = missing
 
     coordinator.exchange("checking keys", check_keys)
     missing: set[str] = local["missing"]
-    present = [leaf for leaf in leaves if leaf.key not in missing]
-    sharded, _ = describe(present, coordinator, check_replicas=False)
+    present = [leaf for leaf in local["leaves"] if leaf.key not in missing]
+    sharded, _ = describe(lambda: present, coordinator, check_replicas=False)
     loaded: Any = serialization.load(
         sharded,
         dir,
@@ -227,6 +239,10 @@ def _load_leaves(
         if leaf.key in sharded and not isinstance(sharded[leaf.key], ShardedTensor):
             leaf.container[leaf.slot] = loaded[leaf.key]
     return missing
+
+
+def state_dict_value(leaves: list[Leaf], key: str) -> Any:
+    return next(leaf.value for leaf in leaves if leaf.key == key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,7 +348,7 @@ def load_model_and_optim_state(
     state = _model_and_optim_state(model, optim, flatten_optimizer_state)
     renamed, restore = _apply_key_mapping(state, key_mapping or {}, flatten_optimizer_state)
     location = storage_for(dir, pre_download=pre_download, work_dir=work_dir)
-    _load_leaves(location, flatten(renamed), process_group, thread_count, allow_pickle, strict=strict)
+    _load_leaves(location, renamed, process_group, thread_count, allow_pickle, strict=strict)
     restore()
     options = StateDictOptions(strict=strict, flatten_optimizer_state_dict=flatten_optimizer_state)
     with torch.no_grad():

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import enum
 import os
+import shutil
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from ..cli import _human
 from ..engine.checkpoint import CheckpointReader
 from ..engine.io import tensor_bytes
-from ..errors import CheckpointExistsError, MissingKeyError
+from ..errors import CheckpointExistsError, MissingKeyError, UnsafeCheckpointError
 from ..format.dtypes import dtype_from_name, safetensors_code
 from ..format.safetensors import Entry, build_header
 from ..mapping import ShardedObject, ShardedTensor
@@ -103,12 +105,18 @@ class _Source:
         self.sharded = _resolve_load_sharded(None, self.reader.metadata)
         self.common_loader = _resolve_load_common(None, self.reader.metadata, allow_pickle)
         self.index = self.reader.index
-        self.objects = {key.rpartition("/")[0]: key for key in self.index.objects}
-        common = self.common_loader.load_common(self.reader)
+        self.objects: dict[str, list[str]] = {}
+        for unique_key in sorted(self.index.objects):
+            self.objects.setdefault(unique_key.rpartition("/")[0], []).append(unique_key)
+        try:
+            common = self.common_loader.load_common(self.reader)
+        except UnsafeCheckpointError:
+            # e.g. a Megatron checkpoint with an argparse Namespace in its common state: only
+            # the nested paths written by distckpt.checkpoint are needed here, and it has none.
+            common = None
         self.paths: list[tuple] | None = (
             [tuple(p) for p in common[PATHS_KEY]] if isinstance(common, dict) and PATHS_KEY in common else None
         )
-        self.common = common
 
     def keys(self) -> list[str]:
         return sorted(set(self.index.tensors) | set(self.objects))
@@ -129,8 +137,14 @@ class _Source:
             self.sharded.load({key: request}, self.reader, self.common_loader)
             return request.data
         if key in self.objects:
-            request_obj = ShardedObject.empty_from_unique_key(self.objects[key])
-            return self.sharded.load({key: request_obj}, self.reader, self.common_loader)[key]
+            pieces = {}
+            for unique_key in self.objects[key]:
+                request_obj = ShardedObject.empty_from_unique_key(unique_key)
+                value = self.sharded.load({key: request_obj}, self.reader, self.common_loader)[key]
+                pieces[request_obj.global_offset] = value
+            if len(pieces) == 1 and self.objects[key][0].endswith("/shard_0_1"):
+                return next(iter(pieces.values()))
+            return pieces  # a grid of objects (e.g. one per rank): {offset: value}
         raise MissingKeyError(f"{self.reader.path} has no entry {key!r}")
 
 
@@ -186,6 +200,8 @@ def _load_key(source: _Source, key: str) -> Any:
             subtree = [p for p in below if ".".join(map(str, p[:depth])) == key]
             if subtree and len(subtree) == len(below):
                 return _build(source, [(p[depth:], ".".join(map(str, p))) for p in subtree])
+        if below:  # the prefix ends inside a path component (e.g. flattened optimizer keys)
+            return {".".join(map(str, p))[len(key) + 1:]: source.read(".".join(map(str, p))) for p in below}
     raise MissingKeyError(
         f"{source.reader.path} has no entry {key!r} (see `distckpt inspect` for the saved keys)"
     )
@@ -195,6 +211,8 @@ def _build(source: _Source, entries: list[tuple[tuple, str]]) -> Any:
     """A nested container from ``(relative path, flat key)`` pairs, leaves read one by one."""
     root: dict = {}
     for path, key in entries:
+        if not path:  # the entry is the whole subtree (e.g. an optimizer state saved as one value)
+            return source.read(key)
         node: Any = root
         for part in path[:-1]:
             node = node.setdefault(part, {})
@@ -262,6 +280,13 @@ def unshard_checkpoint(
             f"{target} is not empty; pass save_overwrite=True to replace its files"
         )
     target.mkdir(parents=True, exist_ok=True)
+    for previous in ("model.pt", "model.safetensors", "optim.pt", "model", "optim"):
+        # outputs of an earlier unshard into this directory must not mix with the new ones
+        old = target / previous
+        if old.is_dir():
+            shutil.rmtree(old)
+        elif old.exists():
+            old.unlink()
     source = _Source(storage_for(dir, pre_download=pre_download, work_dir=work_dir))
     model_keys, optim_entries = _split(source)
     if optim and not optim_entries:
@@ -391,8 +416,9 @@ def _write_files(
 
 
 def _file_name(name: str) -> str:
-    """A tensor name as a file name (path separators replaced)."""
-    return name.replace(os.sep, "_").replace("/", "_") or "_"
+    """A tensor name as a file name: characters other than letters, digits and ``._-`` are
+    %-escaped, so distinct names give distinct files (``a/b`` -> ``a%2Fb``, ``a_b`` stays)."""
+    return urllib.parse.quote(name, safe="._-") or "%"
 
 
 def _atomic_torch_save(obj: Any, out: Path) -> None:

@@ -29,10 +29,13 @@ def _cpu_group(group: Any) -> Any:
     """A gloo group with the ranks of ``group`` (the group itself if it already is gloo)."""
     if dist.get_backend(group) == "gloo":
         return group
-    cache_key = group if group is not None else "default"
+    # Keyed by the group object: a re-initialized default group is a new object, so nothing
+    # cached for a destroyed one is reused. Only the group's own ranks take part in creating
+    # the gloo group (a save on a subgroup must not desynchronize the job's other groups).
+    cache_key = group if group is not None else dist.group.WORLD
     if cache_key not in _GLOO_GROUPS:
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        _GLOO_GROUPS[cache_key] = dist.new_group(ranks=ranks, backend="gloo")
+        ranks = dist.get_process_group_ranks(cache_key)
+        _GLOO_GROUPS[cache_key] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
     return _GLOO_GROUPS[cache_key]
 
 
