@@ -36,6 +36,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
+from _report import replace_section  # noqa: E402
+
 from _s3 import S3Server  # noqa: E402
 
 BEGIN, END = "<!-- bench_local.py:begin -->", "<!-- bench_local.py:end -->"
@@ -169,15 +171,7 @@ def main() -> None:
             table,
             END,
         ])
-        path = os.path.join(REPO, "docs", "benchmarks.md")
-        text = open(path).read()
-        if BEGIN in text:
-            before, rest = text.split(BEGIN, 1)
-            text = before + generated + rest.split(END, 1)[1]
-        else:
-            text = text.rstrip() + f"\n\n{SECTION}\n\n{generated}\n"
-        open(path, "w").write(text)
-        print(f"wrote {path}")
+        replace_section(os.path.join(REPO, "docs", "benchmarks.md"), SECTION, BEGIN, END, generated)
 
 
 if __name__ == "__main__":

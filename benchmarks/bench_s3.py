@@ -29,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
+from _report import replace_section  # noqa: E402
 from bench import Pool, shape_for  # noqa: E402
 
 from _s3 import S3Server  # noqa: E402
@@ -155,16 +156,7 @@ def _write_docs(table: str, command: str, args, state_bytes: int, rows: int, col
         table,
         END,
     ])
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    if BEGIN in text:
-        before, rest = text.split(BEGIN, 1)
-        after = rest.split(END, 1)[1]
-        text = before + generated + after
-    else:
-        text = text.rstrip() + f"\n\n{SECTION}\n\n{generated}\n"
-    with open(path, "w") as f:
-        f.write(text)
-    print(f"wrote {path}")
+    replace_section(path, SECTION, BEGIN, END, generated)
 
 
 if __name__ == "__main__":

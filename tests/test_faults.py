@@ -18,6 +18,7 @@ import torch
 import torch.distributed as tdist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_format import _mutate
 
 import distckpt
 from distckpt import ShardedObject, ShardedTensor
@@ -250,26 +251,8 @@ def documents(tmp_path_factory):
     return meta, index
 
 
-def _paths(doc, prefix=()):
-    yield prefix
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            yield from _paths(v, prefix + (k,))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            yield from _paths(v, prefix + (i,))
-
-
 def _mutated(doc, mutations) -> bytes:
-    doc = json.loads(json.dumps(doc))
-    for pick, value in mutations:
-        paths = [p for p in _paths(doc) if p]
-        path = paths[pick % len(paths)]
-        target = doc
-        for step in path[:-1]:
-            target = target[step]
-        target[path[-1]] = value
-    return json.dumps(doc, allow_nan=True).encode()
+    return json.dumps(_mutate(doc, mutations), allow_nan=True).encode()
 
 
 def _only_library_errors(parse) -> None:

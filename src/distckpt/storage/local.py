@@ -81,32 +81,24 @@ class LocalStorage(Storage):
         return _LocalWriter(self._path(name))
 
     def write_atomic(self, name: str, data: bytes) -> None:
-        tmp = self._path(f".{name}.{uuid.uuid4().hex[:12]}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._path(name))
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        self._sync_root()
+        self._publish(name, data, os.replace)
 
     def create_atomic(self, name: str, data: bytes) -> None:
+        self._publish(name, data, os.link)  # link() fails if the name exists: one creator wins
+
+    def _publish(self, name: str, data: bytes, place) -> None:
+        """Write ``data`` to a unique temporary file, fsync it, ``place(tmp, final)`` it, and
+        make the directory entry durable."""
         tmp = self._path(f".{name}.{uuid.uuid4().hex[:12]}.tmp")
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.link(tmp, self._path(name))  # fails if the name exists: one creator wins
+            place(tmp, self._path(name))
         finally:
             try:
-                os.unlink(tmp)
+                os.unlink(tmp)  # (after os.replace it is gone already)
             except OSError:
                 pass
         self._sync_root()
