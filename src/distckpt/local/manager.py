@@ -25,6 +25,7 @@ size or layout (bytes a rank lacks are sent by a rank holding them).
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -92,6 +93,8 @@ class LocalCheckpointManager:
             node puts the copies on other nodes.
         keep_last: iterations kept (older ones are removed after each successful save).
         process_group: the ranks taking part (default: all).
+        timeout: seconds a transfer between ranks may wait for its peer (replication and
+            fetches) before failing instead of hanging.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class LocalCheckpointManager:
         keep_last: int = 2,
         process_group: Any | None = None,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
+        timeout: float = 600.0,
     ) -> None:
         self.root = os.path.abspath(os.fspath(root_dir))
         self.coordinator = Coordinator(process_group)
@@ -122,7 +126,7 @@ class LocalCheckpointManager:
         self._group = None
         if self.coordinator.distributed and self.world_size > 1:
             ranks = dist.get_process_group_ranks(self.coordinator.group)
-            self._group = dist.new_group(ranks=ranks, backend="gloo")
+            self._group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
         self._background: threading.Thread | None = None
         self._background_error: BaseException | None = None
         self._found: dict[int, dict[int, list[Piece]]] | None = None
@@ -229,13 +233,18 @@ class LocalCheckpointManager:
         self._background.start()
 
     def wait_for_replication(self) -> None:
-        """Wait for the background replication of the last save; raise its error if any."""
-        thread, self._background = self._background, None
-        if thread is not None:
-            thread.join()
-        error, self._background_error = self._background_error, None
-        if error is not None:
-            raise CheckpointingException(f"replication of the previous local save failed: {error}") from error
+        """Wait for the background replication of the last save (collective); if it failed on
+        any rank, raise on every rank."""
+
+        def join() -> None:
+            thread, self._background = self._background, None
+            if thread is not None:
+                thread.join()
+            error, self._background_error = self._background_error, None
+            if error is not None:
+                raise CheckpointingException(f"replication of the previous local save failed: {error}") from error
+
+        self.coordinator.exchange("waiting for replication", join)
 
     def _replicate(self, iteration: int) -> None:
         """Send this rank's piece to its peers and store the pieces of the ranks it holds."""
@@ -329,18 +338,22 @@ class LocalCheckpointManager:
                 "use load_resharded() with a sharded state dict of the new layout"
             )
         directory = self._fetch(iteration, owners, {self.rank})
-        record = _open_record(os.path.join(directory[self.rank], f"piece-r{self.rank:05d}.json"))
-        if record["save_id"] != owners[self.rank][0].save_id:
-            raise CheckpointingException(f"iteration {iteration}: pieces of different saves of rank {self.rank}")
-        state = TensorAwareStateDict.from_hollow_bytes(json.dumps(record["hollow"]).encode())
-        reader = CheckpointReader(_union_storage(iteration, {self.rank: (directory[self.rank], record)}, None))
-        shards = [replace(st, data=None) for st in state._sharded_tensors]  # noqa: SLF001
-        load_tensors(reader, shards)
-        state.insert_tensors([st.data for st in shards])  # type: ignore[misc]
-        objects = _objects(state.sharded_state_dict)
-        for obj, value in zip(objects, load_objects(reader, objects, TorchLoadCommonStrategy().deserialize)):
-            obj.data = value
-        return state
+        out: dict[str, TensorAwareStateDict] = {}
+
+        def read_piece() -> None:
+            record = _open_record(os.path.join(directory[self.rank], f"piece-r{self.rank:05d}.json"))
+            state = TensorAwareStateDict.from_hollow_bytes(json.dumps(record["hollow"]).encode())
+            reader = CheckpointReader(_union_storage(iteration, {self.rank: (directory[self.rank], record)}, None))
+            shards = [replace(st, data=None) for st in state._sharded_tensors]  # noqa: SLF001
+            load_tensors(reader, shards)
+            state.insert_tensors([st.data for st in shards])  # type: ignore[misc]
+            objects = _objects(state.sharded_state_dict)
+            for obj, value in zip(objects, load_objects(reader, objects, TorchLoadCommonStrategy().deserialize)):
+                obj.data = value
+            out["state"] = state
+
+        self.coordinator.exchange("reading the local piece", read_piece)  # errors reach every rank
+        return out["state"]
 
     def load_resharded(self, sharded_state_dict: dict, iteration: int | None = None, **load_kwargs: Any) -> dict:
         """Load ``iteration`` into ``sharded_state_dict`` of any layout and world size, as
@@ -404,8 +417,13 @@ class LocalCheckpointManager:
                 if raw is None:
                     failed[owner].add(holder)
                     continue
-                _unpack_piece(raw, mine, owner)
-                if _verify_piece(mine, owner):
+                try:
+                    _unpack_piece(raw, mine, owner)
+                    intact = _verify_piece(mine, owner)
+                except (OSError, CheckpointingException) as exc:  # keep the rounds in step
+                    logger.warning("rank %d: storing the piece of rank %d failed: %s", self.rank, owner, exc)
+                    intact = False
+                if intact:
                     directories[owner] = mine
                 else:
                     failed[owner].add(holder)
