@@ -309,13 +309,17 @@ class CachedStorage(Storage):
         digest = hashlib.sha1(remote.root.encode()).hexdigest()[:16]
         self.directory = os.path.join(os.fspath(work_dir), f"distckpt-cache-{digest}")
         self.downloaded = 0  # statistics: bytes fetched into the cache by this process
+        self._ready: set[str] = set()  # names whose cached copy was checked in this process
 
     def _local(self, name: str) -> str | None:
         if not name.startswith(self.CACHEABLE):
             return None
         path = os.path.join(self.directory, name)
-        size = self.remote.size(name)
+        if name in self._ready:
+            return path
+        size = self.remote.size(name)  # one HEAD per file and load, not per read
         if os.path.exists(path) and os.path.getsize(path) == size:
+            self._ready.add(name)
             return path
         os.makedirs(self.directory, exist_ok=True)
         with host_lock(f"cache-{path}"):
@@ -334,6 +338,7 @@ class CachedStorage(Storage):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(partial)
         self.downloaded += size
+        self._ready.add(name)
         return path
 
     def _download(self, name: str, f: Any, size: int) -> None:
