@@ -210,7 +210,7 @@ def _load_leaves(
                 raise MismatchError(f"{reader.path}: {key!r} was saved as a Python value, the state dict has a tensor")
             if not is_tensor and key in index.tensors:
                 raise MismatchError(f"{reader.path}: {key!r} was saved as a tensor, the state dict has a "
-                                    f"{type(state_dict_value(leaves, key)).__name__}")
+                                    f"{type(_value_of(leaves, key)).__name__}")
         missing = set(kinds) - set(index.tensors) - objects
         if missing and strict:
             shown = ", ".join(map(repr, sorted(missing)[:10])) + (" ..." if len(missing) > 10 else "")
@@ -241,7 +241,7 @@ def _load_leaves(
     return missing
 
 
-def state_dict_value(leaves: list[Leaf], key: str) -> Any:
+def _value_of(leaves: list[Leaf], key: str) -> Any:
     return next(leaf.value for leaf in leaves if leaf.key == key)
 
 
